@@ -1,0 +1,300 @@
+"""Decoder-only MoE language model: RMSNorm, RoPE (+YaRN), GQA (+qk-norm) or MLA attention, dense SwiGLU MLPs for
+the first-k-dense layers and MoE layers elsewhere.
+
+Model code is single-device and mesh-agnostic (DESIGN invariant 1): parallelism is attached from outside.
+Construction works on the meta device; ``init_weights()`` (or ``reset_parameters()`` on every submodule after
+``to_empty``) gives the explicit initialisation.
+
+Legend: B batch, S sequence, D hidden, H heads, G kv heads, K head dim, V vocabulary, F MLP hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_moe.config import ModelConfig, YaRNScaling
+from lightning_moe.moe.layer import MoELayer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalise in fp32 for stability, return the input dtype
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: YaRNScaling) -> Tensor:
+    """YaRN-interpolated inverse frequencies (DeepSeek-V2/V3 definition)."""
+    pos = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    extra = 1.0 / (theta**pos)
+    inter = 1.0 / (s.factor * theta**pos)
+
+    def corr_dim(n_rot: float) -> float:
+        return (dim * math.log(s.original_max_position_embeddings / (n_rot * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(corr_dim(s.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    mask = 1.0 - ramp  # 1 = keep the original (extrapolated) frequency
+    return (inter * (1 - mask) + extra * mask).float()
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 or mscale == 0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions [0, max_seq_len); a non-persistent buffer rebuilt by reset_parameters."""
+
+    def __init__(self, dim: int, max_seq_len: int, theta: float, scaling: Optional[YaRNScaling] = None) -> None:
+        super().__init__()
+        self.dim, self.max_seq_len, self.theta, self.scaling = dim, max_seq_len, theta, scaling
+        self.register_buffer("cos_sin", torch.empty(max_seq_len, dim), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.cos_sin.is_meta:
+            return
+        if self.scaling is not None:
+            inv_freq = _yarn_inv_freq(self.dim, self.theta, self.scaling)
+            # YaRN's attention temperature is folded into cos/sin (as in DeepSeek's reference code)
+            m = yarn_mscale(self.scaling.factor, self.scaling.mscale) / yarn_mscale(
+                self.scaling.factor, self.scaling.mscale_all_dim
+            )
+        else:
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim)).float()
+            m = 1.0
+        t = torch.arange(self.max_seq_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(torch.float32))
+        table = torch.cat([freqs.cos() * m, freqs.sin() * m], dim=-1)
+        with torch.no_grad():
+            self.cos_sin.copy_(table.to(self.cos_sin.device, self.cos_sin.dtype))
+
+    def forward(self, positions_S: Tensor) -> tuple[Tensor, Tensor]:
+        cs = self.cos_sin.index_select(0, positions_S).float()
+        return cs[:, : self.dim // 2], cs[:, self.dim // 2 :]
+
+
+def apply_rope(x_BSHK: Tensor, cos_SK2: Tensor, sin_SK2: Tensor) -> Tensor:
+    """Rotate-half RoPE (Hugging Face / Llama layout: the two halves of the head dim pair up)."""
+    half = x_BSHK.shape[-1] // 2
+    x1, x2 = x_BSHK[..., :half].float(), x_BSHK[..., half:].float()
+    cos, sin = cos_SK2[None, :, None, :], sin_SK2[None, :, None, :]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x_BSHK.dtype)
+
+
+def _sdpa(q_BHSK: Tensor, k_BHSK: Tensor, v_BHSK: Tensor, mask: Optional[Tensor], scale: Optional[float]) -> Tensor:
+    if mask is None:
+        return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, attn_mask=mask, scale=scale)
+
+
+def _linear(in_dim: int, out_dim: int) -> nn.Linear:
+    return nn.Linear(in_dim, out_dim, bias=False)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional qk-norm ("head": per-head RMSNorm as in Qwen3; "full": over all
+    heads as in OLMoE)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.head_dim is not None
+        D, H, G, K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, G, K
+        self.wq, self.wk, self.wv = _linear(D, H * K), _linear(D, G * K), _linear(D, G * K)
+        self.wo = _linear(H * K, D)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(K, cfg.norm_eps), RMSNorm(K, cfg.norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(H * K, cfg.norm_eps), RMSNorm(G * K, cfg.norm_eps)
+        self.rope = RotaryEmbedding(K, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor]) -> Tensor:
+        B, S, _ = x_BSD.shape
+        q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        # -1 instead of H/G: under tensor parallelism each rank holds a slice of the heads
+        q_BSHK = q.view(B, S, -1, self.head_dim)
+        k_BSGK = k.view(B, S, -1, self.head_dim)
+        v_BSGK = v.view(B, S, -1, self.head_dim)
+        if self.qk_norm == "head":
+            q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
+        cos, sin = self.rope(positions_S)
+        q_BSHK, k_BSGK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSGK, cos, sin)
+        rep = q_BSHK.shape[2] // k_BSGK.shape[2]
+        if rep > 1:
+            k_BSGK = k_BSGK.repeat_interleave(rep, dim=2)
+            v_BSGK = v_BSGK.repeat_interleave(rep, dim=2)
+        o_BHSK = _sdpa(q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask, None)
+        return self.wo(o_BHSK.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value compression, a decoupled
+    shared RoPE key."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_heads
+        self.num_heads = H
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        qk_dim = self.nope + self.rope_dim
+        self.q_lora_rank = cfg.q_lora_rank
+        if cfg.q_lora_rank is None:
+            self.wq = _linear(D, H * qk_dim)
+        else:
+            self.wq_a = _linear(D, cfg.q_lora_rank)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = _linear(cfg.q_lora_rank, H * qk_dim)
+        self.wkv_a = _linear(D, cfg.kv_lora_rank + self.rope_dim)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = _linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim))
+        self.wo = _linear(H * self.v_dim, D)
+        self.rope = RotaryEmbedding(self.rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.scale = qk_dim**-0.5
+        if cfg.rope_scaling is not None:
+            self.scale *= yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim) ** 2
+
+    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor]) -> Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD) if self.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        q_BSHK = q.view(B, S, -1, self.nope + self.rope_dim)
+        q_nope, q_pe = q_BSHK.split([self.nope, self.rope_dim], dim=-1)
+        kv = self.wkv_a(x_BSD)
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_BSHK = self.wkv_b(self.kv_norm(c_kv)).view(B, S, -1, self.nope + self.v_dim)
+        k_nope, v = kv_BSHK.split([self.nope, self.v_dim], dim=-1)
+        cos, sin = self.rope(positions_S)
+        q_pe = apply_rope(q_pe, cos, sin)
+        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
+        q_BSHK = torch.cat([q_nope, q_pe], dim=-1)
+        k_BSHK = torch.cat([k_nope, k_pe], dim=-1)
+        o = _sdpa(q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """Dense SwiGLU MLP."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = _linear(dim, hidden_dim), _linear(dim, hidden_dim)
+        self.w2 = _linear(hidden_dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.moe = MoELayer(cfg.moe, cfg.hidden_size)
+        else:
+            self.feed_forward = FeedForward(cfg.hidden_size, cfg.dense_hidden_size)
+
+    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor], padding_mask_BS: Optional[Tensor]) -> Tensor:
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S, mask)
+        ffn_in = self.ffn_norm(h)
+        out = self.moe(ffn_in, padding_mask_BS) if self.is_moe else self.feed_forward(ffn_in)
+        return h + out
+
+
+class MoETransformer(nn.Module):
+    """Decoder LM. ``forward(input_ids_BS, attention_mask_BS=None) -> logits_BSV`` (in the activation dtype).
+    Aux and z losses of the MoE layers of the last forward are summed by ``moe_losses()``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # a dict keyed by layer index keeps FQNs stable when parallelize wraps or removes layers
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else _linear(cfg.hidden_size, cfg.vocab_size)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Explicit initialisation (after ``to_empty`` when built on the meta device): normal(init_std) for
+        input projections and embeddings, init_std / sqrt(2 * num_layers) for projections into the residual
+        stream, ones for norms; rope tables rebuilt."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.num_layers)
+        residual_out = ("wo", "w2")
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                s = out_std if name.rsplit(".", 1)[-1] in residual_out else std
+                nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=1.0)
+            elif module is not self and hasattr(module, "reset_parameters"):
+                if hasattr(module, "out_init_std"):
+                    module.out_init_std = out_std
+                module.reset_parameters()
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [blk.moe for blk in self.layers.values() if blk.is_moe]
+
+    def moe_losses(self) -> tuple[Tensor, Tensor]:
+        """(sum of aux losses, sum of z losses) over MoE layers from the last forward (with grad)."""
+        aux = z = None
+        for layer in self.moe_layers():
+            a, zz = layer.last_aux_loss, layer.last_z_loss
+            aux = a if aux is None else aux + a
+            z = zz if z is None else z + zz
+        zero = self.norm.weight.new_zeros((), dtype=torch.float32)
+        return (zero if aux is None else aux), (zero if z is None else z)
+
+    def forward(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
+                positions_S: Optional[Tensor] = None) -> Tensor:
+        return self.logits(self.hidden_states(input_ids_BS, attention_mask_BS, positions_S))
+
+    def hidden_states(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
+                      positions_S: Optional[Tensor] = None) -> Tensor:
+        B, S = input_ids_BS.shape
+        if positions_S is None:
+            positions_S = torch.arange(S, device=input_ids_BS.device)
+        mask = padding_mask = None
+        if attention_mask_BS is not None:
+            padding_mask = attention_mask_BS.bool()
+            if not bool(padding_mask.all()):
+                # causal AND key-not-padding; rows of fully padded queries attend to themselves to stay finite
+                causal = torch.ones(S, S, dtype=torch.bool, device=input_ids_BS.device).tril()
+                mask = causal[None] & padding_mask[:, None, :]
+                mask = (mask | torch.eye(S, dtype=torch.bool, device=mask.device)[None])[:, None]
+            else:
+                padding_mask = None
+        h = self.tok_embeddings(input_ids_BS)
+        for block in self.layers.values():
+            h = block(h, positions_S, mask, padding_mask)
+        return self.norm(h)
+
+    def logits(self, h_BSD: Tensor) -> Tensor:
+        if self.output is None:
+            return F.linear(h_BSD, self.tok_embeddings.weight)
+        return self.output(h_BSD)

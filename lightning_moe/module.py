@@ -1,0 +1,247 @@
+"""MoELanguageModel: the LightningModule (build, configure_model, steps, optimizers).
+
+Loss normalisation (DESIGN invariant 4): every micro-batch backpropagates the *sum* of its token losses plus its
+global valid-token count times its MoE losses; before the optimizer step the gradients are multiplied by
+``accumulate_grad_batches / N`` (N = valid tokens of the whole optimizer step over all data-parallel ranks and
+micro-batches; Lightning has already divided by accumulate_grad_batches). The step's objective is therefore
+
+    sum(token losses) / N  +  sum_mb (n_mb / N) * sum_layers (aux_mb + z_mb)
+
+which is the plain mean token loss plus the MoE losses (a token-weighted mean over micro-batches, equal to the
+plain mean when micro-batches hold equal token counts) and does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from lightning_moe.config import ModelConfig
+from lightning_moe.models.transformer import MoETransformer
+
+IGNORE_INDEX = -100
+
+
+def _resolve_config(config: Union[ModelConfig, str, dict]) -> ModelConfig:
+    if isinstance(config, ModelConfig):
+        return config
+    if isinstance(config, str):
+        return ModelConfig.from_preset(config)
+    if isinstance(config, dict):
+        return ModelConfig.from_dict(config)
+    raise ValueError(f"config must be a ModelConfig, a preset name or a dict, got {type(config).__name__}")
+
+
+def shift_labels(input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None) -> Tensor:
+    """Hugging Face convention: labels are the inputs shifted left by one; the last position and padding are -100."""
+    labels = torch.full_like(input_ids_BS, IGNORE_INDEX)
+    labels[:, :-1] = input_ids_BS[:, 1:]
+    if attention_mask_BS is not None:
+        labels[:, :-1] = labels[:, :-1].masked_fill(attention_mask_BS[:, 1:] == 0, IGNORE_INDEX)
+    return labels
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup from 1/warmup to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class MoELanguageModel(L.LightningModule):
+    """A decoder MoE language model for Lightning.
+
+    Args:
+        config: a ModelConfig, a preset name (``ModelConfig.from_preset``) or a dict of ModelConfig fields.
+        lr, min_lr_ratio, warmup_steps, max_steps: AdamW with linear warmup then cosine decay to
+            ``lr * min_lr_ratio`` at ``max_steps`` (None = the trainer's estimated stepping batches).
+        weight_decay: applied to matrices only (not to norms, biases, embeddings; the router bias is a buffer).
+        betas, eps: AdamW.
+        fused: fused AdamW (None = on when the parameters live on CUDA).
+    """
+
+    def __init__(
+        self,
+        config: Union[ModelConfig, str, dict] = "tiny",
+        lr: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        max_steps: Optional[int] = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        fused: Optional[bool] = None,
+    ) -> None:
+        super().__init__()
+        self.config = _resolve_config(config)
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        # configs are stored as plain dicts so weights_only checkpoint loading accepts them
+        self.save_hyperparameters(
+            {"config": self.config.to_dict(), "lr": lr, "min_lr_ratio": min_lr_ratio, "warmup_steps": warmup_steps,
+             "max_steps": max_steps, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused}
+        )
+        self.model: Optional[MoETransformer] = None
+        self._step_loss_sum: Optional[Tensor] = None
+        self._step_tokens: Optional[Tensor] = None
+        self._val_sums: Optional[Tensor] = None
+
+    # ---- model construction -------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Builds the model on the meta device, materialises it on the strategy's device and initialises it;
+        a parallel strategy then attaches its layout. Idempotent, as Lightning requires."""
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            model = MoETransformer(self.config)
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        parallelize_fn = getattr(strategy, "parallelize_model", None)
+        if parallelize_fn is not None:
+            # parallel layouts shard on meta, then materialise only the local shards
+            model = parallelize_fn(model)
+        model.to_empty(device=device)
+        model.init_weights()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        assert self.model is not None, "call configure_model() first (the Trainer does)"
+        return self.model(input_ids, attention_mask)
+
+    # ---- loss -------------------------------------------------------------------------------------------
+    def _reduce_sum(self, t: Tensor) -> Tensor:
+        """Sum over the ranks that hold distinct tokens (the strategy's data-parallel and context-parallel
+        ranks); identity on one process."""
+        fn = getattr(self._trainer.strategy, "reduce_token_sum", None) if self._trainer is not None else None
+        return t if fn is None else fn(t)
+
+    def _token_loss_sum(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(sum of token losses, local valid-token count) for a batch, in fp32."""
+        input_ids = batch["input_ids"]
+        attention_mask = batch.get("attention_mask")
+        labels = batch.get("labels")
+        if labels is None:
+            labels = shift_labels(input_ids, attention_mask)
+        elif attention_mask is not None:
+            labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        logits_BSV = self(input_ids, attention_mask)
+        loss_sum = F.cross_entropy(
+            logits_BSV.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        assert self.model is not None
+        loss_sum, n_local = self._token_loss_sum(batch)
+        sums = self._reduce_sum(torch.stack([loss_sum.detach(), n_local.to(loss_sum.dtype)]))
+        n_global = sums[1]
+        aux, z = self.model.moe_losses()
+        if self._step_tokens is None:
+            self._step_loss_sum, self._step_tokens = sums[0], n_global
+            self._step_aux, self._step_z = aux.detach(), z.detach()
+            self._num_micro = 1
+        else:
+            self._step_loss_sum = self._step_loss_sum + sums[0]
+            self._step_tokens = self._step_tokens + n_global
+            self._step_aux, self._step_z = self._step_aux + aux.detach(), self._step_z + z.detach()
+            self._num_micro += 1
+        return loss_sum + n_global * (aux + z)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.model is not None and self._step_tokens is not None
+        n_step = self._step_tokens.clamp(min=1)
+        scale = self.trainer.accumulate_grad_batches / n_step
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].device))
+        for layer in self.model.moe_layers():
+            layer.router.update_expert_bias()
+        train_loss = self._step_loss_sum / n_step
+        if not bool(torch.isfinite(train_loss)):
+            raise FloatingPointError(
+                f"train_loss is {train_loss.item()} at step {self.global_step}: the run diverged. Lower the learning "
+                "rate, enable gradient clipping (gradient_clip_val) or check the data; the last checkpoint is intact."
+            )
+        self.log("train_loss", train_loss, prog_bar=True)
+        self.log("train/aux_loss", self._step_aux / self._num_micro)
+        self.log("train/z_loss", self._step_z / self._num_micro)
+        self.log("train/tokens", self._step_tokens.float())
+        for layer_idx, layer in self._moe_layers_by_index():
+            self.log(f"moe/layer{layer_idx}/aux_loss", layer.last_aux_loss.detach())
+            self.log(f"moe/layer{layer_idx}/z_loss", layer.last_z_loss.detach())
+        self._step_loss_sum = self._step_tokens = None
+
+    def _moe_layers_by_index(self) -> list[tuple[int, Any]]:
+        assert self.model is not None
+        return [(int(i), blk.moe) for i, blk in self.model.layers.items() if blk.is_moe]
+
+    # ---- validation ---------------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = None
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss_sum, n_local = self._token_loss_sum(batch)
+        s = torch.stack([loss_sum.detach(), n_local.to(loss_sum.dtype)])
+        self._val_sums = s if self._val_sums is None else self._val_sums + s
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_sums is None:
+            return
+        sums = self._reduce_sum(self._val_sums)
+        val_loss = sums[0] / sums[1].clamp(min=1)
+        self._val_sums = None
+        if self.trainer.sanity_checking:
+            # Lightning discards what the sanity check logs; when it covers the whole (limited) validation set
+            # (num_sanity_val_steps=-1) it is the baseline before training, worth keeping at step 0.
+            if self.trainer.num_sanity_val_steps == float("inf") or self.trainer.num_sanity_val_steps < 0:
+                self.initial_val_loss = float(val_loss)
+                rank_zero_info(f"val_loss before training: {self.initial_val_loss:.4f}")
+                for logger in self.loggers:
+                    logger.log_metrics({"val_loss": self.initial_val_loss}, step=0)
+            return
+        self.last_val_loss = float(val_loss)
+        self.log("val_loss", val_loss, prog_bar=True, sync_dist=False)
+
+    def on_fit_end(self) -> None:
+        first, last = getattr(self, "initial_val_loss", None), getattr(self, "last_val_loss", None)
+        if first is not None and last is not None:
+            rank_zero_info(
+                f"val_loss {first:.4f} -> {last:.4f} ({100 * (last - first) / first:+.1f}%) over {self.global_step} steps"
+            )
+
+    # ---- optimisation -------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            # no weight decay on norms, biases (all 1-D) and embeddings
+            (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
+        fused = hp.fused
+        if fused is None:
+            fused = all(p.device.type == "cuda" for p in decay + no_decay)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
+        )
+        total = hp.max_steps
+        if total is None:
+            total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        warmup, min_ratio = hp.warmup_steps, hp.min_lr_ratio
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, warmup, max(total, 1), min_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
