@@ -1,0 +1,6 @@
+"""Data for lightning_moe: packed text batches, the byte tokenizer and the embedded default corpus."""
+
+from lightning_moe.data.datamodule import PackedDataset, TextDataModule
+from lightning_moe.data.tokenizer import ByteTokenizer
+
+__all__ = ["ByteTokenizer", "PackedDataset", "TextDataModule"]

@@ -1,0 +1,307 @@
+"""``TextDataModule``: packed next-token-prediction batches for :mod:`lightning_moe`.
+
+Packing
+    Documents are tokenised without special tokens, each is followed by one EOS token (so an EOS sits
+    between every two documents, and after the last), and everything is concatenated into one flat int32
+    token stream ``t`` (cut to ``max_tokens`` if given). Sample ``i`` is the window of ``seq_len + 1``
+    tokens starting at ``i * seq_len``::
+
+        input_ids = t[i*S     : (i+1)*S]
+        labels    = t[i*S + 1 : (i+1)*S + 1]      # input_ids shifted left by one
+
+    so every position has a label, consecutive samples share exactly one token (the last label of sample
+    ``i`` is the first input of sample ``i + 1``) and no token is wasted. Samples never contain padding,
+    so there is no ``attention_mask`` and no ``-100`` label (the Hugging Face ignore index the loss honours).
+    Attention crosses document boundaries inside a sample, as usual for packed pre-training data.
+
+Train / validation split
+    A contiguous tail of the sample sequence: with ``n = (len(t) - 1) // seq_len`` samples,
+    the last ``ceil(n * val_fraction)`` are validation samples and the rest are training samples. This
+    depends only on the corpus, the tokenizer, ``seq_len``, ``max_tokens`` and ``val_fraction``; never on
+    the world size, the rank or the seed. Train and validation windows are disjoint (they touch in one
+    label token at the boundary).
+
+Sampling
+    Lightning swaps a training DataLoader's sampler for ``DistributedSampler(shuffle=True)`` over the
+    strategy's ``distributed_sampler_kwargs`` unless the loader already holds a ``DistributedSampler``.
+    So both loaders *always* use our own ``DistributedSampler`` (also on one process), built over the
+    *batch view* of the strategy: ranks that must see the same samples (tensor- / context- / expert-
+    parallel peers) share a batch-view rank. The view is ``set_batch_view(num_replicas, rank)`` if that
+    was called, else ``trainer.strategy.distributed_sampler_kwargs`` of an attached trainer, else (1, 0).
+    Lightning calls ``sampler.set_epoch(epoch)`` each epoch, so the shuffle order (``seed + epoch``) is
+    the same on every rank and every run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_moe.data.corpus import EMBEDDED_CORPUS_MAX_BYTES, load_documents
+from lightning_moe.data.tokenizer import ByteTokenizer, load_hf_tokenizer
+
+__all__ = ["PackedDataset", "TextDataModule", "pack_documents"]
+
+
+class PackedDataset(Dataset):
+    """``num_samples`` windows of a flat token stream; item ``i`` starts at ``first * seq_len + i * seq_len``.
+
+    Items are ``{"input_ids": LongTensor[S], "labels": LongTensor[S]}`` with ``labels`` the inputs
+    shifted by one token.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, first: int, num_samples: int) -> None:
+        if (first + num_samples) * seq_len + 1 > tokens.numel() and num_samples > 0:
+            raise ValueError("PackedDataset: the token stream is too short for the requested samples")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.first = first
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        start = (self.first + index) * self.seq_len
+        window = self.tokens[start : start + self.seq_len + 1].long()
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+def pack_documents(docs: list[str], tokenizer: Any, eos_id: int, max_tokens: Optional[int] = None) -> torch.Tensor:
+    """Tokenise ``docs`` and concatenate them into one int32 stream, an EOS after every document.
+
+    Stops early once ``max_tokens`` tokens are collected and cuts the stream to that length.
+    """
+    eos = torch.tensor([eos_id], dtype=torch.int32)
+    pieces: list[torch.Tensor] = []
+    count = 0
+    for doc in docs:
+        if isinstance(tokenizer, ByteTokenizer):
+            ids = tokenizer.encode_tensor(doc)
+        else:
+            ids = torch.tensor(tokenizer.encode(doc, add_special_tokens=False), dtype=torch.int32)
+        pieces.append(ids)
+        pieces.append(eos)
+        count += ids.numel() + 1
+        if max_tokens is not None and count >= max_tokens:
+            break
+    if not pieces:
+        return torch.empty(0, dtype=torch.int32)
+    tokens = torch.cat(pieces)
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens].clone()
+    return tokens
+
+
+class TextDataModule(LightningDataModule):
+    """Packed language-modelling batches from local text files or the embedded corpus.
+
+    Args:
+        files: local ``.txt`` files (one document each), ``.jsonl`` files (one document per line, the text
+            under ``text_field``) and directories of them (searched recursively, sorted). ``None`` uses the
+            embedded corpus: Python's standard-library sources, ~8 MB (see :mod:`lightning_moe.data.corpus`).
+        text_field: key of the text in ``.jsonl`` records.
+        tokenizer: ``None`` for the byte tokenizer (vocab 260), else the path of a *local* Hugging Face
+            tokenizer directory (needs ``transformers``; nothing is downloaded).
+        seq_len: tokens per sample.
+        batch_size: samples per batch on each data-parallel (batch-view) rank.
+        val_fraction: fraction of samples, taken from the tail of the stream, used for validation; 0 = none.
+        shuffle: shuffle training samples (each epoch, seeded with ``seed + epoch``).
+        seed: shuffle seed; identical on all ranks.
+        num_workers: DataLoader worker processes.
+        max_tokens: cap on the packed stream length (tokens). For the embedded corpus a cap above 8M also
+            reads more of the standard library (up to all of it).
+        drop_last: drop the incomplete last training batch (and the shard remainder so ranks stay even).
+    """
+
+    def __init__(
+        self,
+        files: Optional[list[str]] = None,
+        text_field: str = "text",
+        tokenizer: Optional[str] = None,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        max_tokens: Optional[int] = None,
+        drop_last: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}; set e.g. `seq_len: 256`.")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}; set e.g. `batch_size: 8`.")
+        if not isinstance(val_fraction, (int, float)) or not 0.0 <= float(val_fraction) < 1.0:
+            raise ValueError(
+                f"val_fraction must be in [0, 1), got {val_fraction!r}; use e.g. 0.05 (or 0 for no validation)."
+            )
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}.")
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0
+        ):
+            raise ValueError(f"max_tokens must be a positive integer or null, got {max_tokens!r}.")
+        if files is not None and isinstance(files, str):
+            files = [files]
+        self.files = None if files is None else [str(f) for f in files]
+        self.text_field = text_field
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = float(val_fraction)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_workers = num_workers
+        self.max_tokens = max_tokens
+        self.drop_last = drop_last
+        self.save_hyperparameters()
+
+        self._tokenizer_obj: Any = None
+        self._batch_view: Optional[tuple[int, int]] = None
+        self.tokens: Optional[torch.Tensor] = None
+        self.train_dataset: Optional[PackedDataset] = None
+        self.val_dataset: Optional[PackedDataset] = None
+
+    # ------------------------------------------------------------------ tokenizer
+    def get_tokenizer(self) -> Any:
+        """The tokenizer object: a :class:`ByteTokenizer` or the loaded Hugging Face tokenizer."""
+        if self._tokenizer_obj is None:
+            self._tokenizer_obj = ByteTokenizer() if self.tokenizer is None else load_hf_tokenizer(self.tokenizer)
+        return self._tokenizer_obj
+
+    @property
+    def vocab_size(self) -> int:
+        """260 for the byte tokenizer, ``len(tokenizer)`` (including added tokens) for Hugging Face ones."""
+        tok = self.get_tokenizer()
+        return ByteTokenizer.VOCAB_SIZE if isinstance(tok, ByteTokenizer) else len(tok)
+
+    @property
+    def eos_id(self) -> int:
+        tok = self.get_tokenizer()
+        if isinstance(tok, ByteTokenizer):
+            return ByteTokenizer.EOS
+        eos = getattr(tok, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(tok, "sep_token_id", None)
+        if eos is None:
+            raise ValueError(
+                f"the tokenizer at {self.tokenizer!r} has neither an eos_token nor a sep_token to separate "
+                "documents; set `tokenizer.eos_token` and save it again, or use another tokenizer."
+            )
+        return int(eos)
+
+    # ------------------------------------------------------------------ batch view
+    def set_batch_view(self, num_replicas: int, rank: int) -> None:
+        """Shard samples over ``num_replicas`` batch-view ranks; this process reads shard ``rank``."""
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}.")
+        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank!r}.")
+        self._batch_view = (num_replicas, rank)
+
+    def batch_view(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` used for sharding (see the module docstring)."""
+        if self._batch_view is not None:
+            return self._batch_view
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+            if kwargs:
+                num_replicas, rank = int(kwargs["num_replicas"]), int(kwargs["rank"])
+                if num_replicas < 1 or not 0 <= rank < num_replicas:
+                    raise ValueError(f"invalid distributed_sampler_kwargs {kwargs!r} from the strategy.")
+                return num_replicas, rank
+        return 1, 0
+
+    # ------------------------------------------------------------------ data
+    def prepare_data(self) -> None:
+        """Nothing to download: every source is local. Tokenising happens in :meth:`setup` on each process."""
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Tokenise and pack the corpus (once per process) and build the train / val datasets."""
+        if self.tokens is not None:
+            return
+        tok = self.get_tokenizer()
+        eos_id = self.eos_id
+        embedded_cap = max(EMBEDDED_CORPUS_MAX_BYTES, self.max_tokens or 0)
+        docs = load_documents(self.files, self.text_field, embedded_cap)
+        if not docs:
+            raise ValueError(
+                f"the corpus is empty: no text in {self.files!r}; add text to the files or point `files` elsewhere."
+            )
+        tokens = pack_documents(docs, tok, eos_id, self.max_tokens)
+        S = self.seq_len
+        num_samples = (tokens.numel() - 1) // S if tokens.numel() > 0 else 0
+        if num_samples < 1:
+            raise ValueError(
+                f"the corpus has {tokens.numel()} tokens, too few for one sample of seq_len={S} (needs {S + 1}); "
+                "lower `seq_len`, raise `max_tokens` or add data."
+            )
+        num_val = math.ceil(num_samples * self.val_fraction) if self.val_fraction > 0 else 0
+        num_train = num_samples - num_val
+        if num_train < 1:
+            raise ValueError(
+                f"the corpus gives {num_samples} sample(s) of seq_len={S}, none left for training after "
+                f"val_fraction={self.val_fraction}; lower `seq_len` or `val_fraction`, or add data."
+            )
+        self.tokens = tokens
+        self.train_dataset = PackedDataset(tokens, S, 0, num_train)
+        self.val_dataset = PackedDataset(tokens, S, num_train, num_val)
+
+    def _loader(self, dataset: PackedDataset, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        assert self.train_dataset is not None
+        num_replicas, rank = self.batch_view()
+        n = len(self.train_dataset)
+        full_batches = (n // num_replicas) // self.batch_size  # per rank, with drop_last
+        if (full_batches if self.drop_last else n) < 1:
+            raise ValueError(
+                f"{len(self.train_dataset)} training samples (seq_len={self.seq_len}) over {num_replicas} "
+                f"data-parallel rank(s) give no full batch of batch_size={self.batch_size}; lower `batch_size` "
+                "or `seq_len`, add data, or set `drop_last: false`."
+            )
+        sampler = DistributedSampler(
+            self.train_dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
+        return self._loader(self.train_dataset, sampler, self.drop_last)
+
+    def val_dataloader(self) -> Any:
+        """Validation batches; an empty list when ``val_fraction == 0`` (Lightning then skips validation).
+
+        Sharded over the batch view without shuffling and without dropping; with several replicas the
+        sampler repeats a few samples so every rank gets the same number of batches.
+        """
+        self.setup("validate")
+        assert self.val_dataset is not None
+        if len(self.val_dataset) == 0:
+            return []
+        num_replicas, rank = self.batch_view()
+        sampler = DistributedSampler(
+            self.val_dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False
+        )
+        return self._loader(self.val_dataset, sampler, False)
