@@ -1,0 +1,143 @@
+"""MoE layer: route -> dispatch -> grouped experts -> combine (+ shared experts).
+
+Legend: B batch, S sequence, T = B*S tokens, D hidden, E experts, e local experts, R routed rows.
+The layer is single-device code: parallelize swaps ``self.dispatcher`` for a distributed dispatcher and turns
+the expert weights into DTensors; nothing here looks up a process group.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_moe.config import MoEConfig
+from lightning_moe.moe.dispatcher import LocalDispatcher, TokenDispatcher
+from lightning_moe.moe.experts import GroupedExperts, SharedExperts
+from lightning_moe.moe.router import RoutingResult, TopKRouter
+
+__all__ = ["MoELayer"]
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (activation-checkpoint recomputation of the forward)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
+
+
+class MoELayer(nn.Module):
+    """Routed experts (plus optional shared experts) replacing a transformer block's MLP.
+
+    Args:
+        config: the MoE configuration (E, k, F, routing, capacity, shared experts).
+        hidden_size: D.
+        use_grouped_mm: passed to :class:`GroupedExperts`.
+        init_std / out_init_std: normal-init stds of the expert and shared-expert input / output projections.
+
+    After each forward:
+        ``last_aux_loss``, ``last_z_loss``: fp32 scalars attached to the graph (coefficients applied), for the
+            model to add to the objective.
+        ``last_stats``: detached tensors for monitoring: ``tokens_per_expert`` [E] int64 (kept assignments on
+            this process), ``num_dropped`` (assignments of valid tokens dropped by capacity), ``num_tokens``
+            (real, i.e. non-padding, tokens on this process).
+        Forwards re-run by activation checkpointing (inside backward) leave these untouched.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        hidden_size: int,
+        *,
+        use_grouped_mm: bool = True,
+        init_std: float = 0.02,
+        out_init_std: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        if config.num_experts <= 0:
+            raise ValueError("MoELayer needs moe.num_experts > 0 (num_experts=0 means a dense MLP layer)")
+        self.config = config
+        self.hidden_size = hidden_size
+        self.num_experts = config.num_experts
+        self.top_k = config.top_k
+        self.router = TopKRouter(config, hidden_size, init_std=init_std)
+        self.experts = GroupedExperts(
+            config.num_experts,
+            hidden_size,
+            config.expert_hidden_size,
+            use_grouped_mm=use_grouped_mm,
+            init_std=init_std,
+            out_init_std=out_init_std,
+        )
+        self.shared_experts: Optional[SharedExperts] = None
+        if config.shared_expert_hidden_size > 0:
+            self.shared_experts = SharedExperts(
+                hidden_size,
+                config.shared_expert_hidden_size,
+                gate=config.shared_expert_gate,
+                init_std=init_std,
+                out_init_std=out_init_std,
+            )
+        # a plain attribute (not a submodule): parallelize replaces it with a distributed dispatcher
+        self.dispatcher: TokenDispatcher = LocalDispatcher(pad_to_capacity=config.pad_to_capacity)
+        self.last_aux_loss: Optional[Tensor] = None
+        self.last_z_loss: Optional[Tensor] = None
+        self.last_stats: dict[str, Tensor] = {}
+
+    def __getstate__(self) -> dict:
+        # the last losses are graph tensors (not deep-copyable or picklable) and only live for one step
+        state = super().__getstate__()
+        state["last_aux_loss"] = None
+        state["last_z_loss"] = None
+        return state
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, dispatcher={type(self.dispatcher).__name__}"
+
+    def forward(self, x_BSD: Tensor, padding_mask_BS: Optional[Tensor] = None) -> Tensor:
+        """``padding_mask_BS``: bool [B, S], True = real token, False = padding (the router's convention; padding
+        tokens are routed nowhere and get zero routed output; shared experts still see them). None = all real."""
+        if x_BSD.dim() != 3 or x_BSD.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer expects x of shape [B, S, {self.hidden_size}], got {tuple(x_BSD.shape)}")
+        B, S, D = x_BSD.shape
+        if padding_mask_BS is not None and tuple(padding_mask_BS.shape) != (B, S):
+            raise ValueError(
+                f"padding_mask must have shape [B, S] = {(B, S)}, got {tuple(padding_mask_BS.shape)}"
+            )
+        x_TD = x_BSD.reshape(B * S, D)
+        valid_T = padding_mask_BS.reshape(B * S) if padding_mask_BS is not None else None
+
+        routing: RoutingResult = self.router(x_TD, valid_T, seq_len=S)
+        self._record(routing, valid_T, B * S, x_TD.device)
+
+        x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, routing, self.num_experts)
+        y_RD = self.experts(x_RD, counts_e)
+        # combine in the input dtype (weights are fp32 in the router; the k-sum is in the input dtype)
+        y_TD = self.dispatcher.combine(y_RD.to(x_TD.dtype), ctx)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.to(x_BSD.dtype).reshape(B, S, D)
+
+    @torch.no_grad()
+    def _num_valid(self, valid_T: Optional[Tensor], T: int, device: torch.device) -> Tensor:
+        if valid_T is None:
+            return torch.tensor(T, dtype=torch.int64, device=device)
+        return valid_T.bool().sum()
+
+    def _record(self, routing: RoutingResult, valid_T: Optional[Tensor], T: int, device: torch.device) -> None:
+        if _in_backward():
+            # activation-checkpoint recomputation: the losses were already taken from the original forward
+            return
+        self.last_aux_loss = routing.aux_loss
+        self.last_z_loss = routing.z_loss
+        tpe = routing.tokens_per_expert.detach()
+        dropped = (
+            routing.num_dropped.detach()
+            if routing.num_dropped is not None
+            else torch.zeros((), dtype=torch.int64, device=tpe.device)
+        )
+        self.last_stats = {
+            "tokens_per_expert": tpe,
+            "num_dropped": dropped,
+            "num_tokens": self._num_valid(valid_T, T, device),
+        }
