@@ -1,15 +1,34 @@
 """Top-k router: fp32 gate GEMM and all routing math (Megatron-Core moe_utils semantics).
 
-Legend: T tokens, D hidden, E experts, k top-k.
+Legend: T tokens, D hidden, E experts, k top-k, B sequences, S tokens per sequence (T = B * S, batch-major).
+
+Deterministic choices: every top-k here (expert choice, group choice, the aux-loss top-k) breaks ties towards
+the lower index (stable sort), and capacity dropping breaks ties towards the earlier token.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_moe.config import MoEConfig
+from lightning_moe.moe.losses import (
+    aux_loss_scores,
+    expert_bias_update,
+    expert_counts,
+    global_aux_loss,
+    sequence_aux_loss,
+    switch_aux_loss,
+    topk_indices,
+    z_loss,
+)
+
+__all__ = ["RoutingResult", "TopKRouter", "group_limited_topk", "capacity_keep_mask"]
 
 
 @dataclass
@@ -23,7 +42,7 @@ class RoutingResult:
     keep_mask: [T, k] bool, False for assignments dropped by capacity or belonging to padding tokens;
         None when every assignment is kept.
     capacity: per-expert capacity in capacity mode, else None.
-    num_dropped: int64 scalar, assignments of valid tokens dropped by capacity.
+    num_dropped: int64 scalar, assignments of valid tokens dropped by capacity (None in dropless mode).
     scores: [T, E] fp32 normalised scores over all experts (monitoring; no bias).
     """
 
@@ -36,3 +55,315 @@ class RoutingResult:
     capacity: Optional[int] = None
     num_dropped: Optional[Tensor] = None
     scores: Optional[Tensor] = None
+
+
+# ---- pure helpers ------------------------------------------------------------------------------------
+
+
+def _sum_over(t: Tensor, group: Any) -> Tensor:
+    """``t`` summed over ``group`` (a ProcessGroup or DeviceMesh); ``t`` itself when ``group`` is None.
+
+    For counts and normalisers only: no gradient flows through the reduction.
+    """
+    if group is None:
+        return t
+    import torch.distributed._functional_collectives as funcol
+
+    out = funcol.all_reduce(t, "sum", group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (e.g. activation-checkpoint recomputation of the forward)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
+
+
+def group_limited_topk(choice_TE: Tensor, k: int, num_groups: int, group_topk: int) -> Tensor:
+    """Expert ids [T, k] chosen within the best ``group_topk`` of ``num_groups`` equal groups of experts.
+
+    Group g's score is the sum of its top ``k // group_topk`` entries of ``choice_TE``; the ``group_topk``
+    best groups are kept (ties: lower group index), the others masked to -inf, then the top-k over what is
+    left (ties: lower expert index). DeepSeek-V3 node-limited routing / Megatron ``group_limited_topk``.
+    """
+    T, E = choice_TE.shape
+    per_group = k // group_topk
+    grouped = choice_TE.reshape(T, num_groups, E // num_groups)
+    group_scores_TG = torch.sort(grouped, dim=-1, descending=True)[0][..., :per_group].sum(-1)
+    groups_TG = topk_indices(group_scores_TG, group_topk)
+    keep_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=choice_TE.device)
+    keep_TG.scatter_(1, groups_TG, True)
+    keep_TE = keep_TG.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
+    return topk_indices(choice_TE.masked_fill(~keep_TE, float("-inf")), k)
+
+
+def capacity_keep_mask(
+    probs_TK: Tensor, ids_TK: Tensor, num_experts: int, capacity: int, policy: str, valid_T: Optional[Tensor] = None
+) -> Tensor:
+    """bool [T, k]: which assignments fit in their expert's ``capacity``.
+
+    Padding tokens (``valid_T`` False) are never kept and take no capacity. Per expert, at most ``capacity``
+    assignments are kept: ``policy="probs"`` keeps the largest ``probs`` (ties: the earlier token),
+    ``"position"`` the earliest tokens (token order, then choice order). No host synchronisation.
+    """
+    T, k = ids_TK.shape
+    ids_A = ids_TK.reshape(-1).long()
+    if valid_T is not None:
+        ids_A = torch.where(valid_T.unsqueeze(-1).expand(T, k).reshape(-1), ids_A, torch.full_like(ids_A, num_experts))
+    if policy == "probs":
+        order_A = torch.sort(probs_TK.detach().reshape(-1), descending=True, stable=True)[1]
+        order_A = order_A[torch.sort(ids_A[order_A], stable=True)[1]]
+    elif policy == "position":
+        order_A = torch.sort(ids_A, stable=True)[1]
+    else:
+        raise ValueError(f"unknown drop_policy {policy!r}; expected 'probs' or 'position'")
+    sorted_ids_A = ids_A[order_A]
+    counts = torch.bincount(sorted_ids_A, minlength=num_experts + 1)
+    starts = counts.cumsum(0) - counts
+    rank_A = torch.arange(ids_A.numel(), device=ids_A.device) - starts[sorted_ids_A]
+    keep_sorted_A = (rank_A < capacity) & (sorted_ids_A < num_experts)
+    keep_A = torch.zeros_like(keep_sorted_A).scatter_(0, order_A, keep_sorted_A)
+    return keep_A.reshape(T, k)
+
+
+# ---- the router --------------------------------------------------------------------------------------
+
+
+class TopKRouter(nn.Module):
+    """fp32 gate ``logits = x W^T`` (W: [E, D]) followed by top-k routing and the router losses.
+
+    Reduction seam (set from outside by parallelize; None on one process, see DESIGN invariant 1):
+
+    - ``token_group``: the ranks over which ONE micro-batch's tokens are split (tp x cp). The "aux" and
+      "seq" counts and every token normaliser (N, also the z-loss's) are summed over it, so the partial
+      losses of those ranks add up to the loss of the whole micro-batch.
+    - ``global_group``: every rank routing distinct tokens (dp x cp x tp). The "global" aux counts and
+      normaliser, and the expert-bias counts in :meth:`update_expert_bias`, are summed over it.
+
+    Expert bias (``config.expert_bias``): ``expert_bias`` [E] fp32 persistent buffer, added to the scores
+    for the choice only. ``bias_counts`` [E] int64 non-persistent buffer accumulates, during training
+    forwards, the assignments of the actual (biased, group-limited) choice of valid tokens *before*
+    capacity dropping (the demand on each expert, which capacity would clip). It is int64 rather than fp32
+    so counts stay exact and survive ``module.to(torch.bfloat16)``. Forwards run by the autograd engine
+    (activation-checkpoint recomputation) are not counted again.
+    """
+
+    def __init__(self, config: MoEConfig, hidden_size: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        if config.num_experts <= 0:
+            raise ValueError("TopKRouter needs moe.num_experts > 0")
+        if hidden_size <= 0:
+            raise ValueError(f"hidden_size must be positive, got {hidden_size}")
+        self.config = config
+        self.num_experts = config.num_experts
+        self.top_k = config.top_k
+        self.hidden_size = hidden_size
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(self.num_experts, hidden_size, dtype=torch.float32))
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+            self.register_buffer("bias_counts", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
+        else:
+            self.register_buffer("expert_bias", None)
+            self.register_buffer("bias_counts", None, persistent=False)
+        self.token_group: Any = None
+        self.global_group: Any = None
+        # data-parallel ranks whose per-micro-batch "aux"/"seq"/z losses are averaged (each rank's partial is
+        # divided by it, so the sum over ranks is layout-invariant); "global" is already normalised globally
+        self.dp_size = 1
+        self.reset_parameters()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "TopKRouter":
+        # Routing state stays fp32 whatever casts the module (Lightning's bf16-true runs module.to(bf16), which
+        # would round a 1e-3 bias step away). Keep the exact fp32 values: move the saved originals instead.
+        saved = {n: t for n, t in list(self._parameters.items()) + list(self._buffers.items())
+                 if t is not None and t.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, orig in saved.items():
+            cur = self._parameters.get(name, self._buffers.get(name))
+            if cur is not None and cur.dtype != torch.float32 and not orig.is_meta:
+                fixed = orig.detach().to(device=cur.device)
+                if name in self._parameters:
+                    cur.data = fixed
+                else:
+                    self._buffers[name] = fixed
+        return self
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.expert_bias is not None:
+            with torch.no_grad():
+                self.expert_bias.zero_()
+                self.bias_counts.zero_()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+                f"score_func={c.score_func}, expert_bias={c.expert_bias}")
+
+    @staticmethod
+    def _sum_over(t: Tensor, group: Any) -> Tensor:
+        return _sum_over(t, group)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def forward(
+        self, x_TD: Tensor, padding_mask_T: Optional[Tensor] = None, seq_len: Optional[int] = None
+    ) -> RoutingResult:
+        """Route ``x_TD`` [T, D] (or [B, S, D], then ``seq_len`` defaults to S).
+
+        ``padding_mask_T``: bool [T] (or [B, S]), True = real token; None = all real. ``seq_len`` splits the
+        batch-major tokens into sequences for the "seq" aux loss (None: one sequence).
+        """
+        if x_TD.dim() == 3:
+            B, S, D = x_TD.shape
+            seq_len = S if seq_len is None else seq_len
+            x_TD = x_TD.reshape(B * S, D)
+            if padding_mask_T is not None:
+                padding_mask_T = padding_mask_T.reshape(B * S)
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        return self.route(logits_TE, padding_mask_T, seq_len)
+
+    def route(
+        self, logits_TE: Tensor, padding_mask_T: Optional[Tensor] = None, seq_len: Optional[int] = None
+    ) -> RoutingResult:
+        """All routing math on fp32 logits [T, E]; see the class and module docstrings."""
+        cfg = self.config
+        E, k = self.num_experts, self.top_k
+        if logits_TE.dim() != 2 or logits_TE.shape[1] != E:
+            raise ValueError(f"expected logits of shape [T, {E}], got {tuple(logits_TE.shape)}")
+        T = logits_TE.shape[0]
+        logits_TE = logits_TE.float()
+        valid_T = None
+        if padding_mask_T is not None:
+            if padding_mask_T.numel() != T:
+                raise ValueError(f"padding mask has {padding_mask_T.numel()} entries for {T} tokens")
+            valid_T = padding_mask_T.reshape(T).to(device=logits_TE.device, dtype=torch.bool)
+        if seq_len is None:
+            seq_len = T
+        elif seq_len <= 0 or T % seq_len:
+            raise ValueError(f"{T} tokens do not split into sequences of seq_len={seq_len}")
+
+        # scores over all experts, and what the choice is made on
+        if cfg.score_func == "softmax":
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+            choice_TE = scores_TE if cfg.pre_softmax else logits_TE
+        else:
+            scores_TE = torch.sigmoid(logits_TE)
+            choice_TE = scores_TE
+
+        # choice
+        if cfg.force_balance:
+            ids_TK = (torch.arange(T, device=logits_TE.device).unsqueeze(1) * k
+                      + torch.arange(k, device=logits_TE.device)) % E
+        else:
+            with torch.no_grad():
+                choice_TE = choice_TE.detach()
+                if self.expert_bias is not None:
+                    choice_TE = choice_TE + self.expert_bias.to(device=choice_TE.device, dtype=torch.float32)
+                if cfg.num_groups is not None:
+                    assert cfg.group_topk is not None
+                    ids_TK = group_limited_topk(choice_TE, k, cfg.num_groups, cfg.group_topk)
+                else:
+                    ids_TK = topk_indices(choice_TE, k)
+
+        # combine weights (unbiased scores of the chosen experts)
+        if cfg.score_func == "softmax" and not cfg.pre_softmax:
+            probs_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)  # Mixtral: already sums to 1
+        else:
+            probs_TK = scores_TE.gather(1, ids_TK)
+            if cfg.norm_topk_prob and k > 1:
+                probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.scaling_factor is not None:
+            probs_TK = probs_TK * cfg.scaling_factor
+
+        # expert-bias demand counts (training only; not again under checkpoint recomputation)
+        if self.bias_counts is not None and self.training and not _in_backward():
+            with torch.no_grad():
+                self.bias_counts.add_(expert_counts(ids_TK, E, valid_T).to(self.bias_counts.device))
+
+        # capacity / padding
+        keep_TK: Optional[Tensor] = None
+        capacity: Optional[int] = None
+        num_dropped: Optional[Tensor] = None
+        if cfg.capacity_factor is not None:
+            capacity = int(math.ceil(cfg.capacity_factor * T * k / E))
+            keep_TK = capacity_keep_mask(probs_TK, ids_TK, E, capacity, cfg.drop_policy, valid_T)
+            valid_TK = torch.ones_like(keep_TK) if valid_T is None else valid_T.unsqueeze(-1).expand(T, k)
+            num_dropped = (valid_TK & ~keep_TK).sum()
+        elif valid_T is not None:
+            keep_TK = valid_T.unsqueeze(-1).expand(T, k)
+        if keep_TK is not None:
+            probs_TK = probs_TK.masked_fill(~keep_TK, 0.0)
+        tokens_per_expert = expert_counts(ids_TK, E, keep_TK)
+
+        # losses
+        aux, z, norm_scores_TE = self._losses(logits_TE, scores_TE, valid_T, seq_len)
+        if norm_scores_TE is None:
+            norm_scores_TE = aux_loss_scores(logits_TE, cfg.score_func) if cfg.score_func == "sigmoid" else scores_TE
+
+        return RoutingResult(
+            probs=probs_TK,
+            expert_ids=ids_TK,
+            tokens_per_expert=tokens_per_expert,
+            aux_loss=aux,
+            z_loss=z,
+            keep_mask=keep_TK,
+            capacity=capacity,
+            num_dropped=num_dropped,
+            scores=norm_scores_TE.detach(),
+        )
+
+    def _losses(
+        self, logits_TE: Tensor, scores_TE: Tensor, valid_T: Optional[Tensor], seq_len: int
+    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        cfg = self.config
+        E, k = self.num_experts, self.top_k
+        T = logits_TE.shape[0]
+        zero = logits_TE.new_zeros((), dtype=torch.float32)
+        aux, z = zero, zero
+        s_TE: Optional[Tensor] = None
+        num_tokens: Optional[Tensor] = None  # valid tokens of this micro-batch over token_group
+        if cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0:
+            s_TE = scores_TE if cfg.score_func == "softmax" else aux_loss_scores(logits_TE, cfg.score_func)
+            with torch.no_grad():
+                ids_TK = topk_indices(s_TE.detach(), k)
+            if cfg.aux_loss_type == "seq":
+                B = T // seq_len
+                v_BS = None if valid_T is None else valid_T.reshape(B, seq_len)
+                counts_BE = self._sum_over(expert_counts(ids_TK.reshape(B, seq_len, k), E, v_BS), self.token_group)
+                n_B = counts_BE.sum(-1) // k
+                num_tokens = n_B.sum()
+                aux = sequence_aux_loss(s_TE, counts_BE, n_B, k, cfg.aux_loss_coeff, seq_len, valid_T)
+            else:
+                group = self.token_group if cfg.aux_loss_type == "aux" else self.global_group
+                counts_E = self._sum_over(expert_counts(ids_TK, E, valid_T), group)
+                n = counts_E.sum() // k
+                if cfg.aux_loss_type == "aux":
+                    num_tokens = n
+                    aux = switch_aux_loss(s_TE, counts_E, n, k, cfg.aux_loss_coeff, valid_T)
+                else:
+                    aux = global_aux_loss(s_TE, counts_E, n, k, cfg.aux_loss_coeff, valid_T)
+        if cfg.z_loss_coeff > 0:
+            if num_tokens is None:
+                n_local = torch.tensor(T, device=logits_TE.device) if valid_T is None else valid_T.sum()
+                num_tokens = self._sum_over(n_local.long(), self.token_group)
+            z = z_loss(logits_TE, cfg.z_loss_coeff, valid_T, num_tokens)
+        if self.dp_size > 1:
+            z = z / self.dp_size
+            if cfg.aux_loss_type in ("aux", "seq"):
+                aux = aux / self.dp_size
+        return aux, z, s_TE
+
+    # ---- aux-loss-free balancing ----------------------------------------------------------------------
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Once per optimizer step: ``b_i += rate * sign(mean(n) - n_i)`` with the step's counts ``n`` summed
+        over ``global_group`` (all micro-batches, all ranks), then reset the counts. No-op without
+        expert bias. Collective over ``global_group``: every rank must call it."""
+        if self.expert_bias is None:
+            return
+        counts_E = self._sum_over(self.bias_counts, self.global_group)
+        new_bias = expert_bias_update(self.expert_bias, counts_E, self.config.bias_update_rate)
+        self.expert_bias.copy_(new_bias)
+        self.bias_counts.zero_()
