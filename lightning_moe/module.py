@@ -136,7 +136,15 @@ class MoELanguageModel(L.LightningModule):
             labels = shift_labels(input_ids, attention_mask)
         elif attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
-        logits_BSV = self(input_ids, attention_mask)
+        positions = None
+        shard = getattr(self._trainer.strategy, "shard_batch", None) if self._trainer is not None else None
+        if shard is not None:
+            # context parallel: this rank's load-balanced chunks, labels shifted on the full sequence first
+            local = shard({"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask})
+            input_ids, labels, attention_mask = local["input_ids"], local["labels"], local.get("attention_mask")
+            positions = local.get("position_ids")
+        assert self.model is not None, "call configure_model() first (the Trainer does)"
+        logits_BSV = self.model(input_ids, attention_mask, positions)
         loss_sum = F.cross_entropy(
             logits_BSV.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
@@ -161,6 +169,9 @@ class MoELanguageModel(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.model is not None and self._step_tokens is not None
+        sync = getattr(self.trainer.strategy, "sync_replicated_grads", None)
+        if sync is not None:
+            sync()
         n_step = self._step_tokens.clamp(min=1)
         scale = self.trainer.accumulate_grad_batches / n_step
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -182,6 +193,22 @@ class MoELanguageModel(L.LightningModule):
             self.log(f"moe/layer{layer_idx}/aux_loss", layer.last_aux_loss.detach())
             self.log(f"moe/layer{layer_idx}/z_loss", layer.last_z_loss.detach())
         self._step_loss_sum = self._step_tokens = None
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Clip by the true global norm over every mesh (torch's clip_grad_norm_ fails on parameters living on
+        two meshes); runs after the gradients were rescaled to the step's mean."""
+        if gradient_clip_val is None or gradient_clip_val <= 0:
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"only gradient_clip_algorithm='norm' is supported, got {gradient_clip_algorithm!r}")
+        from lightning_moe.parallel.grads import clip_grad_norm_
+
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = clip_grad_norm_(params, gradient_clip_val)
+        self.log("train/grad_norm", norm)
 
     def _moe_layers_by_index(self) -> list[tuple[int, Any]]:
         assert self.model is not None

@@ -99,10 +99,16 @@ def apply_rope(x_BSHK: Tensor, cos_SK2: Tensor, sin_SK2: Tensor) -> Tensor:
     return out.to(x_BSHK.dtype)
 
 
-def _sdpa(q_BHSK: Tensor, k_BHSK: Tensor, v_BHSK: Tensor, mask: Optional[Tensor], scale: Optional[float]) -> Tensor:
-    if mask is None:
-        return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, attn_mask=mask, scale=scale)
+class CoreAttention:
+    """Causal scaled-dot-product attention over local heads: the seam context parallelism replaces (an object,
+    not a submodule, so it adds no state-dict keys). ``positions_S`` are the global positions of the local
+    queries and keys; a single process ignores them (causal by index)."""
+
+    def __call__(self, q_BHSK: Tensor, k_BHSK: Tensor, v_BHSK: Tensor, mask: Optional[Tensor],
+                 scale: Optional[float], positions_S: Tensor) -> Tensor:
+        if mask is None:
+            return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, attn_mask=mask, scale=scale)
 
 
 def _linear(in_dim: int, out_dim: int) -> nn.Linear:
@@ -126,6 +132,7 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(H * K, cfg.norm_eps), RMSNorm(G * K, cfg.norm_eps)
         self.rope = RotaryEmbedding(K, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.core_attention = CoreAttention()
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor]) -> Tensor:
         B, S, _ = x_BSD.shape
@@ -144,7 +151,9 @@ class Attention(nn.Module):
         if rep > 1:
             k_BSGK = k_BSGK.repeat_interleave(rep, dim=2)
             v_BSGK = v_BSGK.repeat_interleave(rep, dim=2)
-        o_BHSK = _sdpa(q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask, None)
+        o_BHSK = self.core_attention(
+            q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask, None, positions_S
+        )
         return self.wo(o_BHSK.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -171,6 +180,7 @@ class MLAttention(nn.Module):
         self.wkv_b = _linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim))
         self.wo = _linear(H * self.v_dim, D)
         self.rope = RotaryEmbedding(self.rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.core_attention = CoreAttention()
         self.scale = qk_dim**-0.5
         if cfg.rope_scaling is not None:
             self.scale *= yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim) ** 2
@@ -189,7 +199,9 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
         q_BSHK = torch.cat([q_nope, q_pe], dim=-1)
         k_BSHK = torch.cat([k_nope, k_pe], dim=-1)
-        o = _sdpa(q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
+        o = self.core_attention(
+            q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v.transpose(1, 2), mask, self.scale, positions_S
+        )
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -251,7 +263,8 @@ class MoETransformer(nn.Module):
                 s = out_std if name.rsplit(".", 1)[-1] in residual_out else std
                 nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=1.0)
+                # unit-variance embeddings feed the pre-norm stack; a tied head needs the small std instead
+                nn.init.normal_(module.weight, std=std if self.config.tie_embeddings else 1.0)
             elif module is not self and hasattr(module, "reset_parameters"):
                 if hasattr(module, "out_init_std"):
                     module.out_init_std = out_std

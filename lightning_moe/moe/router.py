@@ -176,7 +176,7 @@ class TopKRouter(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> "TopKRouter":
         # Routing state stays fp32 whatever casts the module (Lightning's bf16-true runs module.to(bf16), which
         # would round a 1e-3 bias step away). Keep the exact fp32 values: move the saved originals instead.
-        saved = {n: t for n, t in list(self._parameters.items()) + list(self._buffers.items())
+        saved = {n: t.detach() for n, t in list(self._parameters.items()) + list(self._buffers.items())
                  if t is not None and t.dtype == torch.float32}
         super()._apply(fn, recurse)
         for name, orig in saved.items():
