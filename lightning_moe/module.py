@@ -21,11 +21,16 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ModelConfig
 from lightning_moe.models.transformer import MoETransformer
 
 IGNORE_INDEX = -100
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _resolve_config(config: Union[ModelConfig, str, dict]) -> ModelConfig:
@@ -174,12 +179,14 @@ class MoELanguageModel(L.LightningModule):
             sync()
         n_step = self._step_tokens.clamp(min=1)
         scale = self.trainer.accumulate_grad_batches / n_step
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        # local shards: gradients of DTensors on different meshes cannot meet in one DTensor op
+        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, scale.to(grads[0].device))
+            torch._foreach_mul_(grads, _local(scale).to(grads[0].device))
         for layer in self.model.moe_layers():
             layer.router.update_expert_bias()
         train_loss = self._step_loss_sum / n_step
+        self.last_train_loss = train_loss.detach()
         if not bool(torch.isfinite(train_loss)):
             raise FloatingPointError(
                 f"train_loss is {train_loss.item()} at step {self.global_step}: the run diverged. Lower the learning "

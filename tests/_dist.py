@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -36,7 +37,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out if rank == 0 else None))
+        # plain pickle bytes: torch's queue pickler would share tensors by file descriptor, gone once we exit
+        queue.put((rank, "ok", pickle.dumps(out) if rank == 0 else None))
     except BaseException:  # report every failure to the parent, then exit
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -65,4 +67,4 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         raise AssertionError("distributed test failed\n" + "\n".join(errors))
     if alive or len(results) != world_size:
         raise AssertionError(f"distributed test hung or crashed: {len(results)}/{world_size} ranks reported")
-    return next(out for r, status, out in results if r == 0)
+    return pickle.loads(next(out for r, status, out in results if r == 0))

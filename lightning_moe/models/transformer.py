@@ -263,9 +263,12 @@ class MoETransformer(nn.Module):
                 s = out_std if name.rsplit(".", 1)[-1] in residual_out else std
                 nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
             elif isinstance(module, nn.Embedding):
-                # unit-variance embeddings feed the pre-norm stack; a tied head needs the small std instead
-                nn.init.normal_(module.weight, std=std if self.config.tie_embeddings else 1.0)
+                # as Hugging Face's Qwen/DeepSeek/Mixtral: unit variance learns markedly slower under AdamW
+                nn.init.normal_(module.weight, std=std)
             elif module is not self and hasattr(module, "reset_parameters"):
+                # routers, grouped and shared experts draw from their own stds: give them the config's
+                if hasattr(module, "init_std"):
+                    module.init_std = std
                 if hasattr(module, "out_init_std"):
                     module.out_init_std = out_std
                 module.reset_parameters()

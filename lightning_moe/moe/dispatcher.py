@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from lightning_moe.moe.permute import pad_groups, permute, sort_assignments, unpermute
 from lightning_moe.moe.router import RoutingResult
 
 try:  # a 1-D DeviceMesh is accepted wherever a group is
@@ -48,17 +47,21 @@ _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 class DispatchContext:
     """What combine needs to undo dispatch (opaque to the layer).
 
-    num_tokens: rows of the combine output before any reduction (T, or the gathered token count).
-    order_R: flat assignment indices (into the [num_tokens, k] view of probs) of the rows, in row order.
-    probs_TK: combine weights (zero where an assignment must not contribute).
-    pad_dest_R: LocalDispatcher's padded row of every real row (pad_to_capacity), else None.
+    num_tokens: tokens of the combine output before any reduction (T, or the gathered token count).
+    probs_TK: combine weights of those tokens.
+    pos_TK: the row (of the rows that reach combine's unpermute) holding each assignment's output; -1 for
+        assignments with no row (dropped by capacity, or on another rank's experts for the all-gather dispatcher).
+    asg_R: the assignment (flat index into [num_tokens, k]) of each of those rows; -1 for padding rows.
+    has_dropped: some pos_TK are -1.  rows_covered: no asg_R is -1.
     extra: the distributed dispatcher's own state (split sizes, regroup index, ...).
     """
 
     num_tokens: int
-    order_R: Tensor
     probs_TK: Tensor
-    pad_dest_R: Optional[Tensor] = None
+    pos_TK: Tensor
+    asg_R: Tensor
+    has_dropped: bool = False
+    rows_covered: bool = True
     extra: Any = None
 
 
@@ -75,31 +78,199 @@ class TokenDispatcher:
         raise NotImplementedError
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# row movement without atomics
+#
+# permute.permute / unpermute are the reference (index_select forward, index_add backward / forward). On an H200 an
+# index_add of bf16 rows runs on atomics at ~7x the time of a gather, and an index_copy ~3x, so the dispatchers keep
+# both maps, ``pos_TK`` (row of every assignment) and ``asg_R`` (assignment of every row), and only ever gather:
+# token-side sums are a gather of [T, k, D] and a k-sum (a bmm with the weights), row-side results a gather by
+# token (and a row scale). Tested against the reference in tests/test_dispatcher.py.
+
+
+def _gather_tokens(rows_RD: Tensor, pos_TK: Tensor) -> Tensor:
+    """[T, k, D] rows of every assignment (row 0 where pos < 0: the caller masks it; needs rows_RD non-empty)."""
+    T, k = pos_TK.shape
+    return rows_RD.index_select(0, pos_TK.clamp(min=0).reshape(-1)).view(T, k, rows_RD.shape[1])
+
+
+def _weighted_k_sum(rows_RD: Tensor, pos_TK: Tensor, w_TK: Optional[Tensor]) -> Tensor:
+    """out[t] = sum_k w[t, k] * rows[pos[t, k]] (w None: plain sum, every pos valid), in rows' dtype."""
+    T = pos_TK.shape[0]
+    if T == 0 or rows_RD.shape[0] == 0:
+        return rows_RD.new_zeros(T, rows_RD.shape[1])
+    G_TKD = _gather_tokens(rows_RD, pos_TK)
+    if w_TK is None:
+        return G_TKD.sum(1)  # fp32 accumulation for low-precision dtypes
+    return torch.bmm(w_TK.to(rows_RD.dtype).unsqueeze(1), G_TKD).squeeze(1)
+
+
+def _rows_to_tokens(asg_R: Tensor, k: int, rows_covered: bool, T: int) -> Tensor:
+    """Token of each row; padding rows (asg -1) read row T, a zero row the caller appends."""
+    tok_R = torch.div(asg_R, k, rounding_mode="floor")
+    return tok_R if rows_covered else torch.where(asg_R < 0, torch.full_like(tok_R, T), tok_R)
+
+
+def _with_zero_row(x_TD: Tensor, rows_covered: bool) -> Tensor:
+    return x_TD if rows_covered else torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])], dim=0)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """rows[r] = x[asg_R[r] // k] (asg -1: a zero row); backward grad_x[t] = sum_k grad_rows[pos_TK[t, k]]."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, has_dropped: bool, rows_covered: bool) -> Tensor:
+        ctx.save_for_backward(pos_TK)
+        ctx.has_dropped = has_dropped
+        T, k = pos_TK.shape
+        tok_R = _rows_to_tokens(asg_R, k, rows_covered, T)
+        return _with_zero_row(x_TD, rows_covered).index_select(0, tok_R)
+
+    @staticmethod
+    def backward(ctx, g_RD: Tensor):
+        (pos_TK,) = ctx.saved_tensors
+        mask = (pos_TK >= 0).to(g_RD.dtype) if ctx.has_dropped else None
+        return _weighted_k_sum(g_RD.contiguous(), pos_TK, mask), None, None, None, None
+
+
+class _UnpermuteRows(torch.autograd.Function):
+    """out[t] = sum_k probs[t, k] * y[pos_TK[t, k]] over assignments with a row (pos >= 0).
+
+    Backward without scatters: grad_y[r] = w(asg_R[r]) * g[token of r] (a gather and a row scale) and
+    grad_probs(asg_R[r]) = <y[r], g[token of r]> (fp32 sums)."""
+
+    @staticmethod
+    def forward(ctx, y_RD: Tensor, probs_TK: Tensor, pos_TK: Tensor, asg_R: Tensor, has_dropped: bool,
+                rows_covered: bool) -> Tensor:
+        w_TK = torch.where(pos_TK >= 0, probs_TK, torch.zeros_like(probs_TK)) if has_dropped else probs_TK
+        ctx.save_for_backward(y_RD, w_TK, asg_R)
+        ctx.flags = (rows_covered, probs_TK.dtype)
+        return _weighted_k_sum(y_RD, pos_TK, w_TK)
+
+    @staticmethod
+    def backward(ctx, g_TD: Tensor):
+        y_RD, w_TK, asg_R = ctx.saved_tensors
+        rows_covered, probs_dtype = ctx.flags
+        T, k = w_TK.shape
+        R = y_RD.shape[0]
+        g_RD = _with_zero_row(g_TD.contiguous(), rows_covered).index_select(
+            0, _rows_to_tokens(asg_R, k, rows_covered, T)
+        )
+        asg_c = asg_R if rows_covered else asg_R.clamp(min=0)
+        w_R = w_TK.reshape(-1).index_select(0, asg_c) if T * k else w_TK.new_zeros(R)
+        if not rows_covered:
+            w_R = torch.where(asg_R < 0, torch.zeros_like(w_R), w_R)
+        grad_y = grad_p = None
+        if ctx.needs_input_grad[0]:
+            grad_y = g_RD * w_R.to(g_RD.dtype).unsqueeze(1)
+        if ctx.needs_input_grad[1]:
+            p_R = (y_RD.to(g_RD.dtype) * g_RD).sum(-1, dtype=torch.float32)
+            if rows_covered:
+                grad_p = p_R.new_zeros(T * k).index_copy_(0, asg_R, p_R)
+            else:  # padding rows land on a sentinel, cut off
+                grad_p = p_R.new_zeros(T * k + 1).index_copy_(0, torch.where(asg_R < 0, T * k, asg_R), p_R)[: T * k]
+            grad_p = grad_p.view(T, k).to(probs_dtype)
+        return grad_y, grad_p, None, None, None, None
+
+
+class _Reindex(torch.autograd.Function):
+    """out = x[index] with backward grad_x = grad[inverse]: for index maps that hit each row at most once (rows of
+    x no index reaches get an arbitrary row's gradient: callers only use this where such rows are cut off)."""
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, index_R: Tensor, inverse_N: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_N)
+        return x_ND.index_select(0, index_R)
+
+    @staticmethod
+    def backward(ctx, g_RD: Tensor):
+        (inverse_N,) = ctx.saved_tensors
+        return g_RD.contiguous().index_select(0, inverse_N), None, None
+
+
+def _count(ids_N: Tensor, num_bins: int) -> Tensor:
+    """bincount without its host sync (torch.bincount reads the max id back to the host on CUDA)."""
+    return torch.zeros(num_bins, dtype=torch.long, device=ids_N.device).scatter_add_(0, ids_N, torch.ones_like(ids_N))
+
+
+def _sort_by_expert(routing: RoutingResult, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """ids [T, k] (dropped assignments -> E), all T*k assignments sorted by expert (stable: tokens keep their
+    order; dropped last) and per-expert counts [E + 1] (the last: dropped). No host sync (the same order as
+    permute.sort_assignments, without its bincount)."""
+    ids_TK = routing.expert_ids
+    if routing.keep_mask is not None:
+        ids_TK = torch.where(routing.keep_mask, ids_TK, torch.full_like(ids_TK, num_experts))
+    ids_N = ids_TK.reshape(-1)
+    return ids_TK, torch.argsort(ids_N, stable=True), _count(ids_N, num_experts + 1)
+
+
+def _positions(order_N: Tensor, num_rows: int, shape: torch.Size) -> Tensor:
+    """Row of each assignment: its rank in ``order_N`` if below ``num_rows``, else -1."""
+    N = order_N.numel()
+    rank_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(N, device=order_N.device))
+    if num_rows < N:
+        rank_N = torch.where(rank_N < num_rows, rank_N, torch.full_like(rank_N, -1))
+    return rank_N.view(shape)
+
+
+def _capacity_slots(ids_TK: Tensor, order_N: Tensor, counts_E1: Tensor, E: int, cap: int) -> tuple[Tensor, Tensor]:
+    """Padded layout [E, cap]: the slot of every assignment (-1: dropped, or past the capacity) and the assignment
+    of every slot (-1: empty). No host sync."""
+    T, k = ids_TK.shape
+    N = order_N.numel()
+    dev = order_N.device
+    ids_N = ids_TK.reshape(-1).index_select(0, order_N)
+    rank_N = torch.arange(N, device=dev) - _exclusive_cumsum(counts_E1, 0).index_select(0, ids_N)
+    valid_N = (ids_N < E) & (rank_N < cap)
+    slot_N = torch.where(valid_N, ids_N * cap + rank_N, torch.full_like(ids_N, E * cap))
+    asg_S = torch.full((E * cap + 1,), -1, dtype=torch.long, device=dev).scatter_(0, slot_N, order_N)[: E * cap]
+    pos_N = torch.empty_like(slot_N).scatter_(0, order_N, slot_N)
+    pos_TK = torch.where(pos_N == E * cap, torch.full_like(pos_N, -1), pos_N).view(T, k)
+    return pos_TK, asg_S
+
+
+def _permute(x_TD: Tensor, probs_TK: Tensor, pos_TK: Tensor, asg_R: Tensor, has_dropped: bool,
+             rows_covered: bool) -> tuple[Tensor, DispatchContext]:
+    rows = _PermuteRows.apply(x_TD, asg_R, pos_TK, has_dropped, rows_covered)
+    return rows, DispatchContext(pos_TK.shape[0], probs_TK, pos_TK, asg_R, has_dropped, rows_covered)
+
+
+def _unpermute(y_RD: Tensor, ctx: DispatchContext) -> Tensor:
+    return _UnpermuteRows.apply(y_RD, ctx.probs_TK, ctx.pos_TK, ctx.asg_R, ctx.has_dropped, ctx.rows_covered)
+
+
 class LocalDispatcher(TokenDispatcher):
-    """All experts on this process: permute by expert, unpermute with the combine weights."""
+    """All experts on this process: permute by expert, unpermute with the combine weights.
+
+    One host sync only in capacity mode without padding (the number of kept rows sizes the output);
+    ``pad_to_capacity`` pads every expert to ``routing.capacity`` rows (zeros) with no host sync."""
 
     def __init__(self, pad_to_capacity: bool = False) -> None:
         self.pad_to_capacity = pad_to_capacity
 
     def dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int) -> tuple[Tensor, Tensor, DispatchContext]:
-        self.num_local_experts = num_experts
-        k = routing.expert_ids.shape[1]
-        order_R, counts_E = sort_assignments(routing.expert_ids, routing.keep_mask, num_experts)
-        x_RD = permute(x_TD, order_R, k)
-        ctx = DispatchContext(num_tokens=x_TD.shape[0], order_R=order_R, probs_TK=routing.probs)
+        E = num_experts
+        self.num_local_experts = E
+        T, k = routing.expert_ids.shape
+        ids_TK, order_N, counts_E1 = _sort_by_expert(routing, E)
+        counts_E = counts_E1[:E]
         if routing.capacity is not None and self.pad_to_capacity:
-            x_RD, ctx.pad_dest_R = pad_groups(x_RD, counts_E, routing.capacity)
-            counts_E = torch.full_like(counts_E, routing.capacity)
+            cap = int(routing.capacity)
+            pos_TK, asg_S = _capacity_slots(ids_TK, order_N, counts_E1, E, cap)
+            x_RD, ctx = _permute(x_TD, routing.probs, pos_TK, asg_S, True, False)
+            return x_RD, torch.full_like(counts_E, cap), ctx
+        N = order_N.numel()
+        R = N if routing.keep_mask is None else int(counts_E.sum())  # host sync only in capacity mode
+        pos_TK = _positions(order_N, R, (T, k))
+        x_RD, ctx = _permute(x_TD, routing.probs, pos_TK, order_N[:R], R < N, True)
         return x_RD, counts_E, ctx
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
-        if ctx.pad_dest_R is not None:
-            y_RD = y_RD.index_select(0, ctx.pad_dest_R)
-        return unpermute(y_RD, ctx.order_R, ctx.probs_TK, ctx.num_tokens)
+        return _unpermute(y_RD, ctx)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# helpers
+# helpers of the distributed dispatchers
 
 
 def _as_group(group: Optional[GroupLike], name: str) -> Optional[dist.ProcessGroup]:
@@ -112,14 +283,6 @@ def _as_group(group: Optional[GroupLike], name: str) -> Optional[dist.ProcessGro
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{name} must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
     return group
-
-
-def _kept_ids(routing: RoutingResult, num_experts: int) -> Tensor:
-    """Expert ids [T, k] with dropped assignments mapped to ``num_experts`` (sorted last, counted apart)."""
-    ids = routing.expert_ids
-    if routing.keep_mask is None:
-        return ids
-    return torch.where(routing.keep_mask, ids, torch.full_like(ids, num_experts))
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
@@ -140,13 +303,6 @@ def regroup_index(counts_SE: Tensor, base_S: Tensor, total: int) -> Tensor:
     src_start_ES = src_start_SE.t().reshape(-1)
     block_R = torch.repeat_interleave(torch.arange(S * e, device=dev), cnt_ES, output_size=total)
     return src_start_ES[block_R] + torch.arange(total, device=dev) - dst_start_ES[block_R]
-
-
-def _ungroup(y_RD: Tensor, index_R: Tensor, num_rows: int, full: bool) -> Tensor:
-    """Inverse of ``buffer.index_select(0, index_R)``: rows back to their buffer slots (zeros elsewhere unless
-    ``full``, i.e. index_R is a permutation of every slot)."""
-    make = y_RD.new_empty if full else y_RD.new_zeros
-    return make(num_rows, y_RD.shape[1]).index_copy(0, index_R, y_RD)
 
 
 def _gather_small(t: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
@@ -189,7 +345,7 @@ class _GroupedDispatcher(TokenDispatcher):
         e = num_experts // self.ep_size
         if self._fixed_local_experts is not None and self._fixed_local_experts != e:
             raise ValueError(
-                f"{type(self).__name__} was set up for {self.num_local_experts} local experts, but "
+                f"{type(self).__name__} was set up for {self._fixed_local_experts} local experts, but "
                 f"num_experts={num_experts} over ep={self.ep_size} gives {e}"
             )
         self.num_local_experts = e
@@ -208,10 +364,8 @@ class _AllToAllState:
     send_splits: list[int]  # rows this rank sends to each ep peer (= returned to it in combine)
     recv_splits: list[int]  # rows this rank receives from each ep peer
     regroup_R: Tensor  # gather index: (etp-gathered) source-major buffer -> expert-major rows
-    buffer_rows: int  # rows of the source-major buffer (Q * Rmax with etp)
+    inverse_B: Tensor  # gather index back: expert-major rows -> buffer rows (Q * Rmax with etp)
     own_rows: int  # rows this rank received over ep (its slice of the etp buffer)
-    full: bool  # regroup_R is a permutation of every buffer row (no padding slots)
-    slot_R: Optional[Tensor] = None  # pad_to_capacity: padded send slot of every sorted assignment
 
 
 class AllToAllDispatcher(_GroupedDispatcher):
@@ -225,8 +379,9 @@ class AllToAllDispatcher(_GroupedDispatcher):
     in :meth:`_exchange_counts` (split sizes must be Python ints) -> differentiable all_to_all_single of the rows
     (uneven, zero splits allowed) -> with etp: differentiable all-gather over etp, each peer's rows padded to the
     largest peer's count (the padding is never read) -> one gather regroups [etp peer][source][expert] to
-    [expert][etp peer][source]. combine runs the same steps backwards (index_copy, reduce-scatter *sum* of the
-    partial etp outputs, all_to_all back) and unpermutes with the probs on the source rank.
+    [expert][etp peer][source]. combine runs the same steps backwards (the inverse gather, reduce-scatter *sum*
+    of the partial etp outputs, all_to_all back) and unpermutes with the probs on the source rank. The backward
+    reuses the split sizes: no host sync. Without capacity the sort's counts need no sync either (no bincount).
 
     ``pad_to_capacity`` (only when ``routing.capacity`` is set): every source sends exactly ``capacity`` rows per
     expert (zero rows fill the unused slots; assignments past the capacity are dropped), so all split sizes are
@@ -239,7 +394,6 @@ class AllToAllDispatcher(_GroupedDispatcher):
         super().__init__(ep_group, etp_group, num_local_experts)
         self.pad_to_capacity = pad_to_capacity
 
-    # -- collectives on rows (differentiable) --
     def _a2a(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
         if self.ep_size == 1:
             return x
@@ -266,92 +420,60 @@ class AllToAllDispatcher(_GroupedDispatcher):
     def dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int) -> tuple[Tensor, Tensor, DispatchContext]:
         E = num_experts
         e = self._local_experts(E)
-        if self.pad_to_capacity and routing.capacity is not None:
-            return self._dispatch_padded(x_TD, routing, E, e, int(routing.capacity))
         P, Q = self.ep_size, self.etp_size
-        k = routing.expert_ids.shape[1]
-        ids_TK = _kept_ids(routing, E)
-        # dropped assignments get id E and sort last; cut after the host sync (no extra sync in capacity mode)
-        order_N, counts_E1 = sort_assignments(ids_TK, None, E + 1)
-        send, recv, recv_QPe = self._exchange_counts(counts_E1[:E], e)
-        order_R = order_N[: sum(send)]
-        x_sent = permute(x_TD, order_R, k)  # sorted by global expert = by destination rank
+        T, k = routing.expert_ids.shape
+        ids_TK, order_N, counts_E1 = _sort_by_expert(routing, E)  # by global expert = by destination rank
+        if self.pad_to_capacity and routing.capacity is not None:
+            cap = int(routing.capacity)
+            pos_TK, asg_S = _capacity_slots(ids_TK, order_N, counts_E1, E, cap)
+            # [dest rank][local expert][cap]
+            x_sent, ctx = _permute(x_TD, routing.probs, pos_TK, asg_S, True, False)
+            send = recv_splits = [e * cap] * P
+            recv_QPe = torch.full((Q, P, e), cap, dtype=torch.long, device=x_TD.device)
+            rows_Q = [P * e * cap] * Q
+        else:
+            send, recv, recv_QPe = self._exchange_counts(counts_E1[:E], e)
+            n_send = sum(send)
+            N = order_N.numel()
+            pos_TK = _positions(order_N, n_send, (T, k))
+            x_sent, ctx = _permute(x_TD, routing.probs, pos_TK, order_N[:n_send], n_send < N, True)
+            recv_splits = [sum(c) for c in recv[self.etp_rank]]
+            rows_Q = [sum(sum(c) for c in recv[q]) for q in range(Q)]
 
-        recv_splits = [sum(c) for c in recv[self.etp_rank]]
         x_recv = self._a2a(x_sent, recv_splits, send)  # [source][local expert]
         own = sum(recv_splits)
-        rows_Q = [sum(sum(c) for c in recv[q]) for q in range(Q)]
         if Q > 1:
             rmax = max(rows_Q)
             x_buf = _all_gather_autograd(_pad_rows(x_recv, rmax), 0, self.etp_group)  # [etp peer][rmax]
-            buffer_rows = Q * rmax
         else:
-            rmax, x_buf, buffer_rows = own, x_recv, own
+            rmax, x_buf = own, x_recv
         total = sum(rows_Q)
         rows_QP = recv_QPe.sum(2)
         base_QP = _exclusive_cumsum(rows_QP, 1) + torch.arange(Q, device=rows_QP.device).unsqueeze(1) * rmax
         regroup_R = regroup_index(recv_QPe.reshape(Q * P, e), base_QP.reshape(-1), total)
-        x_RD = x_buf.index_select(0, regroup_R)
+        # inverse map (buffer row -> expert-major row); padding rows of the etp buffer map to row 0: they are cut
+        # off after the reduce-scatter / before the all-gather, so whatever they hold is never read
+        inverse_B = torch.zeros(Q * rmax, dtype=torch.long, device=regroup_R.device)
+        inverse_B.scatter_(0, regroup_R, torch.arange(total, device=regroup_R.device))
+        x_RD = _Reindex.apply(x_buf, regroup_R, inverse_B)
         counts_e = recv_QPe.sum((0, 1))
-        state = _AllToAllState(send, recv_splits, regroup_R, buffer_rows, own, full=(total == buffer_rows))
-        ctx = DispatchContext(num_tokens=x_TD.shape[0], order_R=order_R, probs_TK=routing.probs, extra=state)
-        return x_RD, counts_e, ctx
-
-    def _dispatch_padded(self, x_TD: Tensor, routing: RoutingResult, E: int, e: int, cap: int):
-        P, Q = self.ep_size, self.etp_size
-        T, D = x_TD.shape
-        k = routing.expert_ids.shape[1]
-        dev = x_TD.device
-        ids_TK = _kept_ids(routing, E)
-        order_N, counts_E1 = sort_assignments(ids_TK, None, E + 1)
-        ids_N = ids_TK.reshape(-1).index_select(0, order_N)
-        pos_N = torch.arange(order_N.numel(), device=dev) - _exclusive_cumsum(counts_E1, 0).index_select(0, ids_N)
-        valid_N = (ids_N < E) & (pos_N < cap)  # past-capacity assignments (never from our router) are dropped
-        slot_N = torch.where(valid_N, ids_N * cap + pos_N, torch.full_like(ids_N, E * cap))
-        # token feeding each send slot; empty slots read an appended zero row (index T)
-        src_slot = torch.full((E * cap + 1,), T, dtype=torch.long, device=dev)
-        src_slot.scatter_(0, slot_N, torch.div(order_N, k, rounding_mode="floor"))
-        x_aug = torch.cat([x_TD, x_TD.new_zeros(1, D)], dim=0)
-        x_sent = x_aug.index_select(0, src_slot[: E * cap])  # [E, cap] slots = [dest rank][local expert][cap]
-        splits = [e * cap] * P
-        x_recv = self._a2a(x_sent, splits, splits)
-        x_buf = _all_gather_autograd(x_recv, 0, self.etp_group) if Q > 1 else x_recv  # [Q*P][e][cap]
-        S = Q * P
-        regroup_R = torch.arange(S * e * cap, device=dev).view(S, e, cap).transpose(0, 1).reshape(-1)
-        x_RD = x_buf.index_select(0, regroup_R)
-        counts_e = torch.full((e,), S * cap, dtype=torch.long, device=dev)
-        # combine reads slot_N for every assignment; dropped ones are masked by zero weights
-        valid_TK = torch.zeros_like(valid_N).scatter_(0, order_N, valid_N).view_as(routing.probs)
-        probs_TK = torch.where(valid_TK, routing.probs, torch.zeros_like(routing.probs))
-        slot_N = torch.where(valid_N, slot_N, torch.zeros_like(slot_N))
-        state = _AllToAllState(splits, splits, regroup_R, S * e * cap, P * e * cap, full=True, slot_R=slot_N)
-        ctx = DispatchContext(num_tokens=T, order_R=order_N, probs_TK=probs_TK, extra=state)
+        ctx.extra = _AllToAllState(send, recv_splits, regroup_R, inverse_B, own)
         return x_RD, counts_e, ctx
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
         st: _AllToAllState = ctx.extra
-        y_buf = _ungroup(y_RD, st.regroup_R, st.buffer_rows, st.full)
+        y_buf = _Reindex.apply(y_RD, st.inverse_B, st.regroup_R)
         if self.etp_size > 1:
             # partial outputs (F is split over etp): sum them and keep this rank's own rows
             y_recv = _reduce_scatter_autograd(y_buf, "sum", 0, self.etp_group)[: st.own_rows]
         else:
             y_recv = y_buf
         y_sent = self._a2a(y_recv, st.send_splits, st.recv_splits)
-        if st.slot_R is not None:
-            if y_sent.shape[0] == 0:  # capacity 0: nothing was sent, nothing contributes
-                return y_sent.new_zeros(ctx.num_tokens, y_sent.shape[1])
-            y_sent = y_sent.index_select(0, st.slot_R)
-        return unpermute(y_sent, ctx.order_R, ctx.probs_TK, ctx.num_tokens)
+        return _unpermute(y_sent, ctx)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # all-gather
-
-
-@dataclass
-class _AllGatherState:
-    num_local_tokens: int
-    padded_tokens: int  # every rank's tokens are padded to this many before the gathers
 
 
 class AllGatherDispatcher(_GroupedDispatcher):
@@ -362,8 +484,8 @@ class AllGatherDispatcher(_GroupedDispatcher):
     :meth:`dispatch`) -> pad x and [probs | ids] to the largest T, differentiable all-gather over ep, then over
     etp (layout [etp peer][ep peer][token]) -> every rank permutes the gathered assignments of its local experts.
     combine: weighted unpermute into the gathered layout, then reduce-scatter (sum) over etp (sums the partial F
-    outputs) and over ep (sums the experts' contributions) back to the owners. Suits small ep (the gathered
-    tokens grow with ep * etp); the backward of each all-gather is a reduce-scatter and vice versa.
+    outputs) and over ep (sums the experts' contributions) back to the owners. Suits small ep: the gathered tokens
+    and the unpermute's work grow with ep * etp; the backward of each all-gather is a reduce-scatter and vice versa.
     """
 
     def _gather(self, t: Tensor) -> Tensor:
@@ -377,12 +499,13 @@ class AllGatherDispatcher(_GroupedDispatcher):
         E = num_experts
         e = self._local_experts(E)
         P, Q = self.ep_size, self.etp_size
-        T, D = x_TD.shape
-        k = routing.expert_ids.shape[1]
+        T, k = routing.expert_ids.shape
         dev = x_TD.device
-        ids_TK = _kept_ids(routing, E)
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E + 1)[:E]
-        info = torch.cat([torch.tensor([T], dtype=torch.long, device=dev), counts_E])
+        ids_TK = routing.expert_ids
+        if routing.keep_mask is not None:
+            ids_TK = torch.where(routing.keep_mask, ids_TK, torch.full_like(ids_TK, E))
+        counts_E = _count(ids_TK.reshape(-1), E + 1)[:E]
+        info = torch.cat([torch.full((1,), T, dtype=torch.long, device=dev), counts_E])
         if P > 1:
             info = _gather_small(info, self.ep_group, P).view(-1)
         if Q > 1:
@@ -405,19 +528,18 @@ class AllGatherDispatcher(_GroupedDispatcher):
         probs_g = meta_g[:, :k]
         local_g = meta_g[:, k:].detach().long() - lo
         local_g = torch.where((local_g >= 0) & (local_g < e), local_g, torch.full_like(local_g, e))
-        order_N, counts_e1 = sort_assignments(local_g, None, e + 1)
-        order_R = order_N[:rows]
-        x_RD = permute(x_g, order_R, k)
-        ctx = DispatchContext(
-            num_tokens=x_g.shape[0], order_R=order_R, probs_TK=probs_g, extra=_AllGatherState(T, t_max)
-        )
+        order_N = torch.argsort(local_g.reshape(-1), stable=True)
+        counts_e1 = _count(local_g.reshape(-1), e + 1)
+        N = order_N.numel()
+        pos_TK = _positions(order_N, rows, local_g.shape)
+        x_RD, ctx = _permute(x_g, probs_g, pos_TK, order_N[:rows], rows < N, True)
+        ctx.extra = T
         return x_RD, counts_e1[:e], ctx
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
-        st: _AllGatherState = ctx.extra
-        y = unpermute(y_RD, ctx.order_R, ctx.probs_TK, ctx.num_tokens)  # [Q][P][t_max]
+        y = _unpermute(y_RD, ctx)  # [Q][P][t_max]
         if self.etp_size > 1:
             y = _reduce_scatter_autograd(y, "sum", 0, self.etp_group)
         if self.ep_size > 1:
             y = _reduce_scatter_autograd(y, "sum", 0, self.ep_group)
-        return y[: st.num_local_tokens]
+        return y[: ctx.extra]

@@ -1,0 +1,600 @@
+#!/usr/bin/env python
+"""Full training-step benchmark on one device: lightning_moe vs Hugging Face ``transformers`` (DESIGN "Benchmarks").
+
+What it does, in order (each part guarded: a failure is reported in the table and the JSON, the rest still runs):
+
+0. Measures the dense bf16 matmul rate (8192^3 on CUDA; a small fp32 matmul on CPU, only so the MFU column is
+   not empty) as the MFU denominator.
+1. ``tiny`` preset: 20 steps of ``MoELanguageModel("tiny")`` on ``TextDataModule(seq_len=256)`` through the
+   Lightning Trainer; checks the per-step ``train_loss`` is finite and falling.
+2. 8-layer Qwen3-30B-A3B-shaped model (vocab 151936, D 2048, 128 experts top-8, F 768, qk-norm), batch 4 x 4096
+   tokens, bf16-true, through the Lightning Trainer: per-step loss (finite, falling), step times after a warmup
+   (``torch.cuda.synchronize`` + ``perf_counter`` in ``on_train_batch_start`` / ``on_train_batch_end``, i.e.
+   forward + backward + optimizer step, the batch already on the device), tokens/s, peak memory, MFU.
+3. The same shapes as ``transformers.Qwen3MoeForCausalLM`` (sdpa attention) trained in a plain PyTorch loop
+   (fused AdamW, same hyper-parameters and LR schedule, the same batches in the same order, ``labels=input_ids``),
+   timed the same way; once with the default experts implementation and once with ``grouped_mm`` when that is
+   not already the default (``--hf-impls``). Only one model is alive at a time.
+4. A table and a JSON file (``--out``).
+
+MFU convention (model FLOPs, not hardware FLOPs; the same numerator for both implementations):
+    flops/token = 6 * N + 12 * L * H * K * S
+with N = active parameters that do matmuls (``config.count_params()["active"]`` minus the input-embedding table,
+which is a lookup; the lm_head is included; routed experts count top_k of E), L layers, H query heads, K head dim,
+S sequence length. The attention term is the usual non-causal count (PaLM / Megatron / torchtitan); a causal
+kernel does about half of it, so the JSON also gives ``mfu_causal`` with ``6 * L * H * K * S``.
+
+Run (repository root):
+    python bench/train_step.py                                   # the GPU benchmark (H200: a few minutes)
+    python bench/train_step.py --device cpu --small --steps 4 --warmup 1   # smoke test of the whole script
+"""
+
+from __future__ import annotations
+
+import os
+
+# Required policy on the device machines (harmless on one GPU): no NVLink SHARP / multicast.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import torch  # noqa: E402
+
+GIB = 1024**3
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / GIB
+
+
+def allocated_gib(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device) / GIB
+
+
+def measure_matmul_peak(device: torch.device) -> dict[str, Any]:
+    """FLOP/s of one large dense matmul: 8192^3 bf16 on CUDA; 1024^3 fp32 on CPU (only a placeholder there)."""
+    if device.type == "cuda":
+        n, dtype, iters = 8192, torch.bfloat16, 50
+    else:
+        n, dtype, iters = 1024, torch.float32, 5
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(5):
+        c = a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        c = a @ b
+    sync(device)
+    dt = (time.perf_counter() - t0) / iters
+    del a, b, c
+    reset_memory(device)
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "seconds": dt, "flops_per_s": 2 * n**3 / dt}
+
+
+def flops_per_token(cfg: Any, seq_len: int) -> dict[str, float]:
+    """Model FLOPs per token for a training step (forward + backward), see the module docstring."""
+    counts = cfg.count_params()
+    breakdown = cfg.param_breakdown()
+    embedding = breakdown.get("embedding", {}).get("active", 0)
+    # tied embeddings: the table is also the lm_head (a matmul), so nothing is subtracted
+    n_matmul = counts["active"] - (0 if cfg.tie_embeddings else embedding)
+    if cfg.attention == "mla":
+        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        attn_dim = (qk_dim + cfg.v_head_dim) / 2  # QK^T uses qk_dim, PV uses v_head_dim
+    else:
+        attn_dim = cfg.head_dim
+    attn = 12 * cfg.num_layers * cfg.num_heads * attn_dim * seq_len
+    return {
+        "params_total": counts["total"],
+        "params_active": counts["active"],
+        "params_active_matmul": n_matmul,
+        "flops_per_token": 6 * n_matmul + attn,
+        "flops_per_token_causal": 6 * n_matmul + attn / 2,
+    }
+
+
+def loss_checks(losses: list[float]) -> dict[str, Any]:
+    """Finite, and the mean of the last 5 (fewer for short runs) below the first."""
+    if not losses:
+        return {"finite": False, "falling": False, "ok": False, "note": "no losses recorded"}
+    finite = all(math.isfinite(x) for x in losses)
+    tail = losses[-min(5, max(1, len(losses) - 1)) :]
+    tail_mean = sum(tail) / len(tail)
+    falling = finite and len(losses) > 1 and tail_mean < losses[0]
+    return {"finite": finite, "falling": falling, "tail_mean": tail_mean, "ok": bool(finite and falling)}
+
+
+def timing_summary(step_times: list[float], warmup: int, tokens_per_step: int, fpt: Optional[dict],
+                   peak: Optional[dict]) -> dict[str, Any]:
+    timed = step_times[warmup:]
+    if not timed:
+        return {"timed_steps": 0, "note": f"no step after the {warmup} warmup steps"}
+    mean_t = sum(timed) / len(timed)
+    out: dict[str, Any] = {
+        "timed_steps": len(timed),
+        "step_time_mean_s": mean_t,
+        "step_time_median_s": statistics.median(timed),
+        "step_time_min_s": min(timed),
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / mean_t,
+    }
+    if fpt is not None and peak is not None:
+        out["mfu"] = out["tokens_per_s"] * fpt["flops_per_token"] / peak["flops_per_s"]
+        out["mfu_causal"] = out["tokens_per_s"] * fpt["flops_per_token_causal"] / peak["flops_per_s"]
+        out["model_tflops_per_s"] = out["tokens_per_s"] * fpt["flops_per_token"] / 1e12
+    return out
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+# ----------------------------------------------------------------------------------------- lightning_moe runs
+def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
+             device: torch.device, peak: Optional[dict], timed: bool) -> dict[str, Any]:
+    import lightning as L
+
+    from lightning_moe.data import TextDataModule
+    from lightning_moe.module import MoELanguageModel
+
+    class StepRecorder(L.Callback):
+        """train_loss of every optimizer step and the wall time of every batch (fwd + bwd + optimizer)."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.times: list[float] = []
+            self._t0 = 0.0
+            self.first_batch_checksum: Optional[int] = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if self.first_batch_checksum is None:
+                self.first_batch_checksum = int(batch["input_ids"].sum())
+            sync(device)
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            sync(device)
+            self.times.append(time.perf_counter() - self._t0)
+            v = trainer.callback_metrics.get("train_loss")
+            self.losses.append(float("nan") if v is None else float(v))
+
+    res: dict[str, Any] = {"model": label, "impl": "lightning_moe", "seq_len": seq_len, "batch_size": batch_size,
+                           "steps": args.steps, "lr": lr}
+    log(f"\n=== {label}: lightning_moe, {args.steps} steps, batch {batch_size} x {seq_len} ===")
+    L.seed_everything(0, verbose=False)
+    reset_memory(device)
+    t_start = time.perf_counter()
+    rec = StepRecorder()
+    model = trainer = dm = None
+    try:
+        dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
+        model = MoELanguageModel(cfg, lr=lr, warmup_steps=2, max_steps=args.steps)
+        trainer = L.Trainer(
+            accelerator="gpu" if device.type == "cuda" else "cpu",
+            devices=1,
+            precision=args.precision,
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[rec],
+        )
+        trainer.fit(model, datamodule=dm)
+        experts = [blk.moe.experts for blk in model.model.layers.values() if blk.is_moe]
+        gm = sorted({bool(getattr(e, "use_grouped_mm", False)) for e in experts})
+        unaligned = any(getattr(e, "_warned_unaligned", False) for e in experts)
+        res["impl"] = "lightning_moe " + ("grouped_mm" if gm == [True] else "loop" if gm == [False] else "mixed")
+        if unaligned:
+            res["impl"] += " (unaligned->loop)"
+        res["param_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+    except Exception as e:  # report, don't crash: the other runs still go
+        res["error"] = _err(e)
+        res["traceback"] = traceback.format_exc()
+        log(res["traceback"])
+    res["wall_s"] = time.perf_counter() - t_start
+    res["losses"] = rec.losses
+    res["step_times_s"] = rec.times
+    res["first_batch_checksum"] = rec.first_batch_checksum
+    res["peak_gib"] = peak_gib(device)
+    res.update(loss_checks(rec.losses))
+    if "error" in res:
+        res["ok"] = False
+    if rec.losses:
+        res["loss_first"], res["loss_last"] = rec.losses[0], rec.losses[-1]
+    if timed:
+        res["flops"] = flops_per_token(cfg, seq_len)
+        res.update(timing_summary(rec.times, args.warmup, batch_size * seq_len, res["flops"], peak))
+    # free everything before the next model: the datamodule and the module point back at the trainer
+    if dm is not None:
+        dm.trainer = None
+    del model, trainer, dm, rec
+    reset_memory(device)
+    res["allocated_after_free_gib"] = allocated_gib(device)
+    log(_summary_line(res))
+    return res
+
+
+# ------------------------------------------------------------------------------------------ transformers run
+def hf_config(cfg: Any, impl: str) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.dense_hidden_size,
+        moe_intermediate_size=cfg.moe.expert_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        num_experts=cfg.moe.num_experts,
+        num_experts_per_tok=cfg.moe.top_k,
+        norm_topk_prob=cfg.moe.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        router_aux_loss_coef=cfg.moe.aux_loss_coeff,
+        output_router_logits=True,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    if impl != "default":
+        kw["experts_implementation"] = impl
+    try:  # transformers 5.x: rope_parameters; 4.x: rope_theta
+        hcfg = Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, **kw)
+    except TypeError:
+        hcfg = Qwen3MoeConfig(rope_theta=cfg.rope_theta, **kw)
+    rp = getattr(hcfg, "rope_parameters", None) or {}
+    theta = rp.get("rope_theta", getattr(hcfg, "rope_theta", None)) if isinstance(rp, dict) else None
+    if theta is not None and float(theta) != float(cfg.rope_theta):
+        raise ValueError(f"Qwen3MoeConfig took rope_theta={theta}, expected {cfg.rope_theta}")
+    return hcfg
+
+
+def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
+           device: torch.device, peak: Optional[dict], impl: str, dtype: torch.dtype) -> dict[str, Any]:
+    from lightning_moe.data import TextDataModule
+    from lightning_moe.module import warmup_cosine
+
+    res: dict[str, Any] = {"model": label, "impl": f"hf {impl}", "requested_experts_impl": impl, "seq_len": seq_len,
+                           "batch_size": batch_size, "steps": args.steps, "lr": lr}
+    log(f"\n=== {label}: transformers Qwen3MoeForCausalLM (experts: {impl}), {args.steps} steps ===")
+    losses: list[float] = []
+    times: list[float] = []
+    model = opt = sched = None
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    reset_memory(device)
+    res["allocated_before_gib"] = allocated_gib(device)
+    try:
+        import transformers
+        from transformers import Qwen3MoeForCausalLM
+
+        res["transformers"] = transformers.__version__
+        hcfg = hf_config(cfg, impl)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = Qwen3MoeForCausalLM(hcfg)
+        finally:
+            torch.set_default_dtype(prev)
+        model.to(device=device, dtype=dtype)
+        model.train()
+        res["build_s"] = time.perf_counter() - t_start
+        res["experts_impl"] = str(getattr(model.config, "_experts_implementation", "n/a (no experts interface)"))
+        res["attn_impl"] = str(getattr(model.config, "_attn_implementation", "?"))
+        res["impl"] = f"hf {res['experts_impl']}" + (" (default)" if impl == "default" else "")
+        if impl != "default" and res["experts_impl"] != impl:
+            res["impl"] += f" (asked {impl})"
+        n_params = sum(p.numel() for p in model.parameters())
+        res["hf_params_total"] = n_params
+        res["params_match_config"] = n_params == cfg.count_params()["total"]
+        if not res["params_match_config"]:
+            log(f"WARNING: HF model has {n_params} parameters, ModelConfig.count_params() says "
+                f"{cfg.count_params()['total']}: the shapes differ")
+        log(f"built in {res['build_s']:.1f}s: {n_params / 1e9:.3f}B params, experts={res['experts_impl']}, "
+            f"attn={res['attn_impl']}")
+
+        decay, no_decay = [], []
+        for name, p in model.named_parameters():
+            (no_decay if p.ndim < 2 or "embed_tokens" in name else decay).append(p)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 2, max(args.steps, 1), 0.1))
+
+        # the same batches in the same order as the Lightning run (its sampler is seeded, epoch 0)
+        dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        it = iter(loader)
+        coef = hcfg.router_aux_loss_coef
+        for step in range(args.steps):
+            try:
+                batch = next(it)
+            except StopIteration:
+                it = iter(loader)
+                batch = next(it)
+            if step == 0:
+                res["first_batch_checksum"] = int(batch["input_ids"].sum())
+            input_ids = batch["input_ids"].to(device, non_blocking=True)
+            sync(device)
+            t0 = time.perf_counter()
+            out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+            out.loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            aux = getattr(out, "aux_loss", None)
+            lm_loss = out.loss.detach() - (coef * aux.detach() if aux is not None else 0.0)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(lm_loss))
+            del out, aux, lm_loss
+            if step == 0 or step == args.steps - 1 or args.steps <= 10:
+                log(f"  step {step}: loss {losses[-1]:.4f} ({times[-1]:.3f}s)")
+        del dm, loader, it, batch, input_ids
+    except Exception as e:
+        res["error"] = _err(e)
+        res["traceback"] = traceback.format_exc()
+        log(res["traceback"])
+    res["wall_s"] = time.perf_counter() - t_start
+    res["losses"] = losses
+    res["step_times_s"] = times
+    res["peak_gib"] = peak_gib(device)
+    res.update(loss_checks(losses))
+    if "error" in res:
+        res["ok"] = False
+    if losses:
+        res["loss_first"], res["loss_last"] = losses[0], losses[-1]
+    res["flops"] = flops_per_token(cfg, seq_len)
+    res.update(timing_summary(times, args.warmup, batch_size * seq_len, res["flops"], peak))
+    del model, opt, sched
+    reset_memory(device)
+    res["allocated_after_free_gib"] = allocated_gib(device)
+    log(_summary_line(res))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _summary_line(r: dict[str, Any]) -> str:
+    s = (f"[{r['model']} | {r['impl']}] tokens/s {_fmt(r.get('tokens_per_s'), ',.0f')}  "
+         f"peak {_fmt(r.get('peak_gib'), '.2f')} GiB  MFU {_fmt(r.get('mfu'), '.1%')}  "
+         f"loss {_fmt(r.get('loss_first'), '.4f')} -> {_fmt(r.get('loss_last'), '.4f')}  ok={r.get('ok')}")
+    if r.get("error"):
+        s += f"  ERROR {r['error']}"
+    return s
+
+
+def print_table(results: list[dict[str, Any]]) -> str:
+    head = ["model", "impl", "tokens/s", "peak GiB", "MFU", "loss first -> last", "ok"]
+    rows = []
+    for r in results:
+        ok = "yes" if r.get("ok") else ("FAIL: " + r["error"][:120] if r.get("error") else "NO (" + _why(r) + ")")
+        rows.append([
+            r["model"], r["impl"], _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("peak_gib"), ".1f"),
+            _fmt(r.get("mfu"), ".1%"),
+            f"{_fmt(r.get('loss_first'), '.3f')} -> {_fmt(r.get('loss_last'), '.3f')}", ok,
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def _why(r: dict[str, Any]) -> str:
+    if not r.get("finite", True):
+        return "non-finite loss"
+    if not r.get("falling", True):
+        return "loss not falling"
+    return "?"
+
+
+def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    ours = [r for r in results if r["impl"].startswith("lightning_moe") and r.get("tokens_per_s") and r.get("timed")]
+    for o in ours:
+        for h in results:
+            if h["model"] == o["model"] and h["impl"].startswith("hf") and h.get("tokens_per_s"):
+                out.append({"model": o["model"], "ours": o["impl"], "hf": h["impl"],
+                            "tokens_per_s_ratio": o["tokens_per_s"] / h["tokens_per_s"],
+                            "same_first_batch": o.get("first_batch_checksum") == h.get("first_batch_checksum")})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each timed run")
+    p.add_argument("--seq-len", type=int, default=None, help="default 4096 (128 with --small)")
+    p.add_argument("--batch-size", type=int, default=None, help="default 4")
+    p.add_argument("--layers", type=int, default=None, help="default 8 (2 with --small)")
+    p.add_argument("--lr", type=float, default=3e-4, help="lr of the Qwen-shaped runs (ours and HF)")
+    p.add_argument("--tiny-lr", type=float, default=3e-3)
+    p.add_argument("--tiny-batch-size", type=int, default=16)
+    p.add_argument("--precision", default=None, help="Lightning precision; default bf16-true (cuda), 32-true (cpu)")
+    p.add_argument("--hf-impls", default="default,grouped_mm",
+                   help="comma list of experts implementations for the HF runs ('default' = what transformers "
+                        "picks); duplicates of the default are skipped")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument("--skip-ours", action="store_true", help="skip the lightning_moe Qwen-shaped run")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--small", action="store_true",
+                   help="shrink the Qwen-shaped model (D 256, 8 experts top-2, F 128, vocab 1024, 2 layers, seq 128) "
+                        "to test the script on CPU")
+    p.add_argument("--out", default="bench_results.json")
+    args = p.parse_args(argv)
+    if args.seq_len is None:
+        args.seq_len = 128 if args.small else 4096
+    if args.batch_size is None:
+        args.batch_size = 4
+    if args.layers is None:
+        args.layers = 2 if args.small else 8
+    if args.precision is None:
+        args.precision = "bf16-true" if args.device == "cuda" else "32-true"
+    return args
+
+
+def qwen_config(args: argparse.Namespace) -> Any:
+    from lightning_moe.config import ModelConfig
+
+    if args.small:
+        return ModelConfig.from_preset(
+            "qwen3_moe_30b_a3b", num_layers=args.layers, vocab_size=1024, hidden_size=256, num_heads=4,
+            num_kv_heads=2, head_dim=64, dense_hidden_size=512, max_seq_len=max(args.seq_len, 512),
+            moe={"num_experts": 8, "top_k": 2, "expert_hidden_size": 128},
+        )
+    return ModelConfig.from_preset("qwen3_moe_30b_a3b", num_layers=args.layers)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
+    for mod in ("lightning", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            env[mod] = f"unavailable ({_err(e)})"
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    env["policy_env"] = {k: os.environ.get(k) for k in
+                         ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")}
+    return env
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log("--device cuda but CUDA is not available; use --device cpu")
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")
+    t_all = time.perf_counter()
+    report: dict[str, Any] = {"args": vars(args), "env": environment(device), "runs": []}
+    log(json.dumps(report["env"]))
+
+    peak = None
+    try:
+        peak = measure_matmul_peak(device)
+        log(f"matmul peak: {peak['n']}^3 {peak['dtype']}: {peak['flops_per_s'] / 1e12:.1f} TFLOP/s")
+    except Exception as e:
+        log(f"matmul peak measurement failed: {_err(e)}")
+        report["matmul_peak_error"] = _err(e)
+    report["matmul_peak"] = peak
+
+    runs: list[dict[str, Any]] = report["runs"]
+
+    def save() -> None:
+        report["ratios"] = ratios(runs)
+        report["total_wall_s"] = time.perf_counter() - t_all
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+
+    if not args.skip_tiny:
+        from lightning_moe.config import ModelConfig
+
+        r = run_ours("tiny", ModelConfig.from_preset("tiny"), 256, args.tiny_batch_size, args, args.tiny_lr,
+                     device, peak, timed=False)
+        runs.append(r)
+        save()
+
+    cfg = None
+    try:
+        cfg = qwen_config(args)
+    except Exception as e:
+        runs.append({"model": "qwen3-moe", "impl": "config", "error": _err(e), "ok": False})
+    if cfg is not None:
+        label = f"qwen3-30b-a3b-{cfg.num_layers}L" + ("-small" if args.small else "")
+        fpt = flops_per_token(cfg, args.seq_len)
+        report["qwen_config"] = dataclasses.asdict(cfg)
+        report["qwen_flops"] = fpt
+        log(f"\n{label}: {fpt['params_total'] / 1e9:.3f}B params, {fpt['params_active'] / 1e9:.3f}B active "
+            f"({fpt['params_active_matmul'] / 1e9:.3f}B in matmuls), {fpt['flops_per_token'] / 1e9:.2f} GFLOP/token")
+        if not args.skip_ours:
+            r = run_ours(label, cfg, args.seq_len, args.batch_size, args, args.lr, device, peak, timed=True)
+            r["timed"] = True
+            runs.append(r)
+            save()
+        if not args.skip_hf:
+            dtype = torch.bfloat16 if "bf16" in args.precision else torch.float32
+            impls = [s.strip() for s in args.hf_impls.split(",") if s.strip()]
+            done: set[str] = set()
+            for impl in impls:
+                if impl != "default" and impl in done:
+                    log(f"\n(skipping HF experts implementation {impl!r}: it is the default, already run)")
+                    continue
+                r = run_hf(label, cfg, args.seq_len, args.batch_size, args, args.lr, device, peak, impl, dtype)
+                done.add(r.get("experts_impl", impl))
+                runs.append(r)
+                save()
+
+    save()
+    log("\n" + "=" * 100)
+    if peak:
+        log(f"matmul peak {peak['n']}^3 {peak['dtype']}: {peak['flops_per_s'] / 1e12:.1f} TFLOP/s "
+            f"(MFU denominator); MFU numerator: 6*N_active(matmul) + 12*L*H*K*S per token")
+    log(print_table(runs))
+    for q in report["ratios"]:
+        log(f"ours/HF tokens/s [{q['model']}] {q['ours']} vs {q['hf']}: {q['tokens_per_s_ratio']:.2f}x"
+            + ("" if q["same_first_batch"] else "  (WARNING: the runs saw different first batches)"))
+    log(f"total wall time {report['total_wall_s']:.0f}s; results in {args.out}")
+    return 0 if all(r.get("ok") for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Context parallelism (CP): the sequence of every sample is split over the ``cp`` ranks of the dense mesh.
+
+Scheme: all-gather K/V (as in Llama 3 training), which runs on gloo (CPU) as well as NCCL. Each rank keeps its
+queries local, all-gathers the keys and values of the whole sequence over the cp group with a differentiable
+all-gather (its backward is a reduce-scatter, so every rank's K/V gradients receive the contributions of every
+rank's queries), and masks causally by *global* token position.
+
+Load balance: a causal mask makes late tokens expensive, so the sequence is cut into ``2 * cp`` chunks and rank
+``i`` holds chunks ``i`` and ``2 * cp - 1 - i`` (one early, one late), in that order.
+
+How parallelize attaches it (model code stays single-device, DESIGN invariant 1)::
+
+    for block in model.layers.values():
+        block.attention.core_attention = AllGatherKVAttention(cp_mesh.get_group())
+    local = shard_batch_for_cp(batch, cp_size, cp_rank)          # labels shifted on the full sequence first
+    logits = model(local["input_ids"], None, local["position_ids"])
+
+Everything else in the model (embeddings, norms, MLPs, MoE routing) is per token, so it runs unchanged on the
+local tokens. Per-sequence statistics (a sequence-level aux loss, loss token counts) must be reduced over the cp
+group by their owners. Padding masks are not supported: pack sequences instead.
+
+Legend: B batch, H heads, S local sequence, L gathered (global) sequence, K head dim of q/k, Kv head dim of v.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["cp_shard_indices", "shard_batch_for_cp", "AllGatherKVAttention"]
+
+# torch >= 2.12 names the functional all-gather ``all_gather_single[_autograd]`` and deprecates the
+# ``all_gather_tensor[_autograd]`` spelling (a FutureWarning per call); torch 2.11 only has the latter.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _wait(t: Tensor) -> Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: the all-gather's backward (a
+    reduce-scatter) requires a contiguous gradient on torch 2.11, and the gradient that reaches the gathered
+    tensor through the sequence-dim permute is not."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def cp_shard_indices(seq_len: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None) -> Tensor:
+    """Global token indices (int64, ascending) held by ``cp_rank``: the sequence is split into ``2 * cp_size``
+    equal chunks and the rank holds chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``, concatenated.
+
+    Example: ``seq_len=8, cp_size=2``: rank 0 -> ``[0, 1, 6, 7]``, rank 1 -> ``[2, 3, 4, 5]``.
+    ``cp_size == 1`` gives ``arange(seq_len)`` for any length.
+    """
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    if cp_size == 1:
+        return torch.arange(seq_len, dtype=torch.long, device=device)
+    n = 2 * cp_size
+    if seq_len <= 0 or seq_len % n != 0:
+        raise ValueError(
+            f"context parallelism with cp={cp_size} splits each sequence into 2*cp={n} equal chunks, but the "
+            f"sequence length is {seq_len}: use a sequence length divisible by {n} (e.g. "
+            f"{max(n, (seq_len // n) * n)} or {(seq_len // n + 1) * n}; packed data sets it with the data module's "
+            f"seq_len), or choose a cp size with 2*cp dividing {seq_len}"
+        )
+    c = seq_len // n
+    first = torch.arange(cp_rank * c, (cp_rank + 1) * c, dtype=torch.long, device=device)
+    j = n - 1 - cp_rank
+    second = torch.arange(j * c, (j + 1) * c, dtype=torch.long, device=device)
+    return torch.cat([first, second])
+
+
+def shard_batch_for_cp(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dict[str, Any]:
+    """This cp rank's slice of a batch, plus ``position_ids`` (the global positions of the local tokens, [S_local]).
+
+    ``batch`` holds ``input_ids`` [B, S] and ``labels`` [B, S] computed on the *full* sequence (shift before
+    sharding: the label of a rank's last token lives on another rank); optional ``attention_mask`` [B, S]. Every
+    tensor of shape [B, S, ...] is sliced along dim 1; other entries are passed through. The input dict is not
+    modified. With ``cp_size == 1`` the batch is returned as is (a shallow copy), with ``position_ids`` =
+    ``arange(S)`` added when absent, and labels are not required.
+
+    Raises ValueError when ``labels`` are missing, ``position_ids`` are already present (CP uses them as the global
+    token indices of the causal mask, so per-document positions cannot be honoured), or S is not divisible by
+    ``2 * cp_size``.
+    """
+    if "input_ids" not in batch:
+        raise ValueError("shard_batch_for_cp needs batch['input_ids'] of shape [B, S]")
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"batch['input_ids'] must have shape [B, S], got {tuple(input_ids.shape)}")
+    B, S = input_ids.shape
+    out = dict(batch)
+    if cp_size == 1:
+        if "position_ids" not in out:
+            out["position_ids"] = torch.arange(S, dtype=torch.long, device=input_ids.device)
+        return out
+    if batch.get("labels") is None:
+        raise ValueError(
+            "context parallelism needs batch['labels'] computed on the full sequence before sharding (the next "
+            "token of a rank's last token lives on another rank): shift the labels first, e.g. "
+            "batch['labels'] = shift_labels(input_ids, attention_mask)"
+        )
+    if "position_ids" in batch:
+        raise ValueError(
+            "batch already has 'position_ids': context parallelism derives them from the sharding (global token "
+            "indices, also used for the causal mask); per-document positions are not supported with cp > 1"
+        )
+    idx = cp_shard_indices(S, cp_size, cp_rank, device=input_ids.device)
+    for key, value in batch.items():
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[0] == B and value.shape[1] == S:
+            out[key] = value.index_select(1, idx.to(value.device))
+    out["position_ids"] = idx
+    return out
+
+
+class AllGatherKVAttention:
+    """Causal attention over a context-parallel group: a drop-in for the model's ``CoreAttention`` (a plain object,
+    no state-dict keys) with the same call signature.
+
+    ``__call__(q_BHSK, k_BHSK, v_BHSK, mask, scale, positions_S) -> o_BHSKv``: q/k/v hold this rank's tokens (any
+    subset of the sequence, e.g. from :func:`cp_shard_indices`) and ``positions_S`` their global positions. K, V and
+    the positions are all-gathered over ``cp_group`` (differentiable for K and V), and the queries attend to every
+    key at a global position <= their own. k/v may have different head dims (MLA); k/v may have fewer heads than q
+    (GQA, needs torch >= 2.5's ``enable_gqa``). ``mask`` must be None (no padding masks under CP: pack sequences).
+
+    Note: the boolean mask keeps SDPA off the flash kernel (the memory-efficient or math kernel runs instead).
+    """
+
+    def __init__(self, cp_group: Optional[dist.ProcessGroup] = None) -> None:
+        self.cp_group = cp_group if cp_group is not None else dist.group.WORLD
+        self.cp_size = dist.get_world_size(self.cp_group)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cp_size={self.cp_size})"
+
+    def __deepcopy__(self, memo: dict) -> "AllGatherKVAttention":
+        # a deep-copied model (e.g. an EMA or reference copy) shares the process group, which cannot be copied
+        return type(self)(self.cp_group)
+
+    def _gather_seq(self, x_BHSK: Tensor) -> Tensor:
+        """All-gather along the sequence dim (dim 2); the functional gather concatenates along dim 0."""
+        x_SBHK = x_BHSK.permute(2, 0, 1, 3).contiguous()
+        x_LBHK = _ContiguousGrad.apply(_wait(_all_gather_autograd(x_SBHK, 0, self.cp_group)))
+        return x_LBHK.permute(1, 2, 0, 3)
+
+    def __call__(self, q_BHSK: Tensor, k_BHSK: Tensor, v_BHSK: Tensor, mask: Optional[Tensor],
+                 scale: Optional[float], positions_S: Tensor) -> Tensor:
+        if mask is not None:
+            raise ValueError(
+                "padding masks are not supported with context parallelism; pack sequences instead "
+                "(call the model without an attention_mask, or with one that has no padding)"
+            )
+        S = q_BHSK.shape[2]
+        if k_BHSK.shape[2] != S or v_BHSK.shape[2] != S:
+            raise ValueError(
+                f"q, k and v must hold the same local tokens; got sequence lengths {S}, {k_BHSK.shape[2]}, "
+                f"{v_BHSK.shape[2]}"
+            )
+        if positions_S is None or positions_S.dim() != 1 or positions_S.shape[0] != S:
+            got = None if positions_S is None else tuple(positions_S.shape)
+            raise ValueError(
+                f"context parallelism needs positions_S: the global positions of the {S} local tokens "
+                f"(shard_batch_for_cp(...)['position_ids']), got shape {got}"
+            )
+        q_pos = positions_S.to(device=q_BHSK.device, dtype=torch.long)
+        if self.cp_size > 1:
+            k_BHLK, v_BHLK = self._gather_seq(k_BHSK), self._gather_seq(v_BHSK)
+            k_pos = _wait(_all_gather(q_pos.contiguous(), 0, self.cp_group))
+        else:
+            k_BHLK, v_BHLK, k_pos = k_BHSK, v_BHSK, q_pos
+        causal_SL = q_pos[:, None] >= k_pos[None, :]
+        kwargs = {}
+        if k_BHLK.shape[1] != q_BHSK.shape[1]:
+            kwargs["enable_gqa"] = True
+        return F.scaled_dot_product_attention(q_BHSK, k_BHLK, v_BHLK, attn_mask=causal_SL, scale=scale, **kwargs)

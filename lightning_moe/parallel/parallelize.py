@@ -1,0 +1,221 @@
+"""Attach a parallel layout to a single-device MoETransformer, from outside (DESIGN invariant 1).
+
+``parallelize`` applies, in order: tensor parallelism with sequence parallel (``apply_tp``), context parallelism
+(``apply_cp``), expert parallelism and expert tensor parallelism (``apply_ep``), the router's reduction groups
+(``apply_router_groups``), activation checkpointing (``apply_ac``) and FSDP2 on the dense and expert meshes
+(``apply_fsdp``, last). Each is a small free function with explicit mesh arguments. Works on a meta-device model:
+the caller materialises (``to_empty``) and initialises afterwards.
+
+Under sequence parallel every tensor-parallel rank keeps its own distinct tokens through the MoE layer (no
+all-gather before routing); parameters that are replicated over tp but fed those distinct tokens (router weights,
+shared experts, per-head qk norms) need their gradients summed over tp: ``parallelize`` returns them so the
+strategy can do that once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_moe.models.transformer import Attention, MoETransformer
+from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from lightning_moe.parallel.dims import ParallelDims
+
+AC_MODES = ("none", "full")
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
+    """Megatron-style TP with sequence parallel on embeddings, attention, dense MLPs and the LM head. Returns the
+    modules whose parameters are tp-replicated but fed distinct tokens: their gradients must be summed over tp
+    (modules, not parameters: FSDP later swaps the parameter objects)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    cfg = model.config
+    if cfg.attention == "mla":
+        raise ValueError("tp > 1 is not supported with MLA attention yet: use ep, cp and FSDP (tp=1) for DeepSeek presets")
+    if cfg.qk_norm == "full":
+        raise ValueError("qk_norm='full' normalises over all heads and cannot be split by tp: use tp=1 or qk_norm='head'")
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+        },
+    )
+    sync: list[nn.Module] = []
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+        }
+        if block.is_moe:
+            # the MoE layer works on this rank's own sequence shard: hand it the local tensor
+            plan["moe"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Shard(1), None), use_local_output=True
+            )
+            sync.append(block.moe.router)
+            if block.moe.shared_experts is not None:
+                sync.append(block.moe.shared_experts)
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        parallelize_module(block, tp_mesh, plan)
+        attn = block.attention
+        if isinstance(attn, Attention) and attn.qk_norm == "head":
+            # per-head norms see different heads on each tp rank
+            sync += [attn.q_norm, attn.k_norm]
+    return sync
+
+
+def apply_cp(model: MoETransformer, cp_mesh: DeviceMesh) -> None:
+    """Context parallel attention: all-gather K/V over cp on load-balanced causal chunks (works on gloo and NCCL)."""
+    from lightning_moe.parallel.context_parallel import AllGatherKVAttention
+
+    core = AllGatherKVAttention(cp_mesh.get_group())
+    for block in model.layers.values():
+        block.attention.core_attention = core
+
+
+def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placements: list) -> None:
+    """Replace a (meta or real) parameter by a DTensor with the given placements, without communication:
+    every rank slices its own shard (the tensor is the same global tensor on every rank)."""
+    p = getattr(module, name)
+    assert not isinstance(p, DTensor), f"{name} is already distributed"
+    dt = torch.distributed.tensor.distribute_tensor(p.detach(), mesh, placements, src_data_rank=None)
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+def apply_ep(model: MoETransformer, dims: ParallelDims, dispatcher: str = "alltoall") -> None:
+    """Expert weights become DTensors Shard(0) over ep (and split along F over etp); the MoE layers get a
+    distributed dispatcher over the expert mesh's ep (and etp) groups."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    if not (dims.ep_enabled or dims.etp_enabled):
+        return
+    if dims.etp_enabled:
+        mesh = dims.expert_mesh["ep", "etp"]
+        w13, w2 = [Shard(0), Shard(1)], [Shard(0), Shard(2)]
+    else:
+        mesh = dims.expert_mesh["ep"]
+        w13, w2 = [Shard(0)], [Shard(0)]
+    ep_group = dims.expert_mesh.get_group("ep")
+    etp_group = dims.expert_mesh.get_group("etp") if dims.etp_enabled else None
+    cls = AllToAllDispatcher if dispatcher == "alltoall" else AllGatherDispatcher
+    for layer in model.moe_layers():
+        _shard_param(layer.experts, "w1", mesh, w13)
+        _shard_param(layer.experts, "w3", mesh, w13)
+        _shard_param(layer.experts, "w2", mesh, w2)
+        layer.dispatcher = cls(ep_group, etp_group, pad_to_capacity=layer.config.pad_to_capacity) if cls is AllToAllDispatcher else cls(ep_group, etp_group)
+
+
+def apply_router_groups(model: MoETransformer, dims: ParallelDims) -> None:
+    """Reduction groups for the routers' loss normalisers and bias counts (None on one process)."""
+    for layer in model.moe_layers():
+        layer.router.token_group = dims.token_group
+        layer.router.global_group = dims.global_group
+        layer.router.dp_size = dims.batch_size_world
+
+
+def apply_ac(model: MoETransformer, mode: str = "full") -> None:
+    """Activation checkpointing of whole transformer blocks (state-dict keys unchanged: the wrapper strips its
+    prefix)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {mode!r}")
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for key, block in list(model.layers.items()):
+        model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_fsdp(
+    model: MoETransformer,
+    dense_mesh: Optional[DeviceMesh],
+    expert_mesh: Optional[DeviceMesh],
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+) -> None:
+    """FSDP2 per block on the dense mesh (HSDP when 2-D), routed experts on their own (expert) mesh first, the
+    root last. Gradient division is off: the loss is normalised by the global token count (invariant 4)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if inner.is_moe:
+            if expert_mesh is not None:
+                fully_shard(inner.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            if dense_mesh is not None and param_dtype is not None:
+                # the router computes in fp32: keep its gathered weight fp32 too
+                fully_shard(inner.moe.router, mesh=dense_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
+        if dense_mesh is not None:
+            fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if dense_mesh is not None:
+        fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            # plain SUM collectives (gloo has no PREMUL_SUM; a factor of 1 needs no pre-multiplication anyway)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(
+    model: MoETransformer,
+    dims: ParallelDims,
+    *,
+    dispatcher: str = "alltoall",
+    activation_checkpointing: str = "none",
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+) -> list[nn.Module]:
+    """Apply the layout in ``dims`` to ``model`` in place. Returns the modules whose parameters' gradients must be
+    summed over the tp group before the optimizer step. Idempotent: a second call returns the same list."""
+    done = getattr(model, "_lightning_moe_tp_sync", None)
+    if done is not None:
+        return done
+    dims.validate(model.config)
+    sync: list[nn.Module] = []
+    if dims.tp_enabled:
+        sync = apply_tp(model, dims.tp_mesh)
+    if dims.cp_enabled:
+        apply_cp(model, dims.cp_mesh)
+    apply_ep(model, dims, dispatcher)
+    apply_router_groups(model, dims)
+    apply_ac(model, activation_checkpointing)
+    dense = dims.fsdp_mesh() if dims.fsdp_enabled else None
+    expert = dims.expert_fsdp_mesh() if dims.expert_fsdp_enabled else None
+    if dense is not None or expert is not None:
+        apply_fsdp(model, dense, expert, param_dtype, reduce_dtype, reshard_after_forward)
+    model._lightning_moe_tp_sync = sync
+    return sync

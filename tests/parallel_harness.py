@@ -1,0 +1,151 @@
+"""Shared pieces of the parallel-equivalence tests: a small MoE config, a fixed global batch split by the batch
+view, and a LightningModule that starts from given weights and trains with plain SGD (Adam's per-parameter
+normalisation would hide uniformly mis-scaled gradients)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_moe import MoELanguageModel, ModelConfig
+from lightning_moe.models.transformer import MoETransformer
+
+SEQ_LEN = 16
+GLOBAL_BATCH = 8
+STEPS = 3
+LR = 0.5
+
+
+def small_config(**moe_overrides: Any) -> ModelConfig:
+    moe = dict(num_experts=4, top_k=2, expert_hidden_size=32, score_func="sigmoid", expert_bias=True,
+               bias_update_rate=1e-2, aux_loss_type="seq", aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
+               shared_expert_hidden_size=32, first_k_dense=1)
+    moe.update(moe_overrides)
+    return ModelConfig.from_preset(
+        "tiny", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, dense_hidden_size=64,
+        max_seq_len=32, qk_norm="head", moe=moe,
+    )
+
+
+def reference_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The same weights in every process: a seeded CPU init of the unsharded model."""
+    torch.manual_seed(1234)
+    model = MoETransformer(cfg)
+    model.init_weights()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def global_tokens(num_samples: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(99)
+    # a skewed distribution so the model has something to learn and routing is not uniform
+    probs = torch.softmax(torch.randn(260, generator=g) * 2, 0)
+    return torch.multinomial(probs, num_samples * SEQ_LEN, replacement=True, generator=g).view(num_samples, SEQ_LEN)
+
+
+class _Rows(Dataset):
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i]}
+
+
+class FixedData(L.LightningDataModule):
+    """Global step s holds samples [s*G, (s+1)*G); rank r of the batch view reads samples r, r+R, ...
+    (DistributedSampler without shuffling), so the union over ranks of a step is the same global batch."""
+
+    def __init__(self, micro_batch: int, num_samples: int) -> None:
+        super().__init__()
+        self.micro_batch = micro_batch
+        self.ds = _Rows(global_tokens(num_samples))
+
+    def train_dataloader(self) -> DataLoader:
+        kw = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(self.ds, shuffle=False, drop_last=True, **kw)
+        return DataLoader(self.ds, batch_size=self.micro_batch, sampler=sampler)
+
+
+class EquivalenceModel(MoELanguageModel):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__(config, warmup_steps=0)
+        self._weights = weights
+        self.step_losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        super().configure_model()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # a copy: set_model_state_dict rewrites the dict it is given in place
+        set_model_state_dict(self.model, copy.copy(self._weights), options=StateDictOptions(full_state_dict=True))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.step_losses.append(float(self.last_train_loss))
+
+
+def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1, clip: Optional[float] = None,
+          moe: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Train STEPS SGD steps on the fixed data under ``layout`` (None = one process, default strategy); return
+    the per-step losses, the full final state dict, and every rank's expert biases."""
+    from lightning_moe import MoEParallelStrategy
+
+    cfg = small_config(**(moe or {}))
+    weights = reference_state_dict(cfg)
+    model = EquivalenceModel(cfg, weights)
+    layout = dict(layout or {})
+    dp = 1
+    if layout:
+        strategy: Any = MoEParallelStrategy(**layout)
+        from lightning_moe.parallel.dims import ParallelDims
+
+        sizes = {k: v for k, v in layout.items() if k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")}
+        sizes["dp_shard"] = -1 if sizes.get("dp_shard", "auto") == "auto" else sizes["dp_shard"]
+        dp = ParallelDims(world_size=world_size, **sizes).batch_size_world
+    else:
+        strategy = "auto"
+    micro = GLOBAL_BATCH // (dp * accumulate)
+    assert micro >= 1
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size if layout else 1, strategy=strategy, max_steps=STEPS,
+        accumulate_grad_batches=accumulate, gradient_clip_val=clip, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model, datamodule=FixedData(micro, GLOBAL_BATCH * STEPS))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model.model, options=StateDictOptions(full_state_dict=True))
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in full.items()}
+    biases = [layer.router.expert_bias.detach().cpu().clone() for layer in model.model.moe_layers()]
+    return {"losses": model.step_losses, "state": full, "biases": biases}
+
+
+def compare(result: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-5) -> list[str]:
+    """Differences beyond rtol (relative to the reference's norm); empty when equivalent."""
+    problems = []
+    if len(result["losses"]) != len(ref["losses"]):
+        problems.append(f"{len(result['losses'])} steps vs {len(ref['losses'])}")
+    for i, (a, b) in enumerate(zip(result["losses"], ref["losses"])):
+        if abs(a - b) > rtol * abs(b):
+            problems.append(f"step {i} train_loss {a:.8f} vs {b:.8f}")
+    for k, v in ref["state"].items():
+        if k not in result["state"]:
+            problems.append(f"missing {k}")
+            continue
+        got = result["state"][k].float()
+        err = (got - v.float()).norm() / v.float().norm().clamp(min=1e-12)
+        if err > rtol:
+            problems.append(f"{k}: rel err {err:.2e}")
+    return problems

@@ -1,0 +1,179 @@
+"""Context parallelism (all-gather KV): load-balanced sharding, batch slicing, and equivalence with one process.
+
+Every rank builds the full inputs from fixed seeds, computes the single-process reference itself, then runs its
+load-balanced shard through AllGatherKVAttention (or the whole model with core_attention replaced). Outputs must
+match at the rank's positions; gradients, each rank's placed at its positions and summed over ranks, must match the
+reference gradients (the all-gather's backward is a reduce-scatter, so K/V grads get every rank's queries).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from _dist import run_distributed
+from lightning_moe.config import ModelConfig
+from lightning_moe.models.transformer import CoreAttention, MoETransformer
+from lightning_moe.parallel.context_parallel import AllGatherKVAttention, cp_shard_indices, shard_batch_for_cp
+
+RTOL = 1e-5
+
+
+def _assert_rel(actual, expected, rtol=RTOL, what=""):
+    err = (actual - expected).abs().max().item()
+    ref = expected.abs().max().item()
+    assert err <= rtol * max(ref, 1e-12), f"{what}: max abs err {err:.3e} vs max |ref| {ref:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------- single process
+
+
+def test_shard_indices_cp2():
+    assert cp_shard_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp_shard_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert cp_shard_indices(8, 2, 0).dtype == torch.long
+
+
+def test_shard_indices_cp4_partition():
+    got = [cp_shard_indices(16, 4, r).tolist() for r in range(4)]
+    assert got == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # every rank holds the same number of tokens and the same causal work (sum of positions + 1)
+    cat = torch.tensor(sum(got, []))
+    assert sorted(cat.tolist()) == list(range(16))
+    work = [sum(p + 1 for p in r) for r in got]
+    assert len(set(work)) == 1
+    assert cp_shard_indices(7, 1, 0).tolist() == list(range(7))
+
+
+def test_shard_indices_bad_seq_len():
+    with pytest.raises(ValueError, match="divisible by 8"):
+        cp_shard_indices(12, 4, 0)
+    with pytest.raises(ValueError, match="cp_rank"):
+        cp_shard_indices(8, 2, 2)
+
+
+def test_shard_batch():
+    B, S = 2, 8
+    ids = torch.arange(B * S).view(B, S)
+    labels = ids + 100
+    am = torch.ones(B, S, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": am, "sample_id": torch.tensor([3, 4]), "n": 5}
+    parts = [shard_batch_for_cp(batch, 2, r) for r in range(2)]
+    assert parts[0]["input_ids"].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+    assert parts[1]["labels"].tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
+    assert parts[1]["position_ids"].tolist() == [2, 3, 4, 5]
+    assert parts[0]["attention_mask"].shape == (B, 4)
+    assert parts[0]["sample_id"].tolist() == [3, 4] and parts[0]["n"] == 5
+    assert batch["input_ids"].shape == (B, S) and "position_ids" not in batch  # input untouched
+    # the shards put back at their positions give the batch
+    full = torch.empty_like(ids)
+    for p in parts:
+        full[:, p["position_ids"]] = p["input_ids"]
+    assert torch.equal(full, ids)
+    # cp == 1: unchanged, positions added, labels optional
+    one = shard_batch_for_cp({"input_ids": ids}, 1, 0)
+    assert one["input_ids"] is ids and one["position_ids"].tolist() == list(range(S))
+
+
+def test_shard_batch_errors():
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="labels"):
+        shard_batch_for_cp({"input_ids": ids}, 2, 0)
+    with pytest.raises(ValueError, match="position_ids"):
+        shard_batch_for_cp({"input_ids": ids, "labels": ids, "position_ids": torch.arange(8)}, 2, 0)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        shard_batch_for_cp({"input_ids": ids[:, :6], "labels": ids[:, :6]}, 2, 0)
+
+
+# ------------------------------------------------------------------------------------------------- multi-rank
+
+
+def _attention_case(rank, world, B, H, S, Kqk, Kv, scale, seed, idx=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, Kqk, generator=g, requires_grad=True)
+    k = torch.randn(B, H, S, Kqk, generator=g, requires_grad=True)
+    v = torch.randn(B, H, S, Kv, generator=g, requires_grad=True)
+    go = torch.randn(B, H, S, Kv, generator=g)  # upstream gradient
+    ref = CoreAttention()(q, k, v, None, scale, torch.arange(S))
+    (ref * go).sum().backward()
+
+    if idx is None:
+        idx = cp_shard_indices(S, world, rank)
+    ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_(True) for t in (q, k, v))
+    attn = AllGatherKVAttention(dist.group.WORLD)
+    out = attn(ql, kl, vl, None, scale, idx)
+    _assert_rel(out, ref.detach()[:, :, idx], what="output")
+    (out * go[:, :, idx]).sum().backward()
+    for name, full, local in (("q", q, ql), ("k", k, kl), ("v", v, vl)):
+        placed = torch.zeros_like(full)
+        placed[:, :, idx] = local.grad
+        dist.all_reduce(placed)
+        _assert_rel(placed, full.grad, what=f"grad {name}")
+
+
+def _tiny_model_case(rank, world):
+    cfg = ModelConfig.from_preset("tiny")
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    with torch.no_grad():  # identical weights on every rank, whatever the seeding does
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t, src=0)
+
+    B, S = 2, 32
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    labels = torch.roll(ids, -1, dims=1)  # any full-sequence labels (the loss here does not use them)
+    go = torch.randn(B, S, cfg.vocab_size, generator=g)
+
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(ids, None, torch.arange(S))
+    (ref * go).sum().backward()
+
+    n_attn = 0
+    for block in model.layers.values():
+        block.attention.core_attention = AllGatherKVAttention(dist.group.WORLD)
+        n_attn += 1
+    assert n_attn == cfg.num_layers
+    local = shard_batch_for_cp({"input_ids": ids, "labels": labels}, world, rank)
+    pos = local["position_ids"]
+    out = model(local["input_ids"], None, pos)
+    _assert_rel(out, ref.detach()[:, pos], what="logits")
+    assert torch.equal(local["labels"], labels[:, pos])
+    (out * go[:, pos]).sum().backward()
+    ref_grads = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # each rank's tokens contribute their part of the gradient
+        _assert_rel(grad, ref_grads[name].grad, rtol=1e-4, what=f"grad {name}")
+
+
+def _cp_suite(rank, world):
+    torch.manual_seed(1234)
+    # GQA-shaped (heads already repeated), default scale
+    _attention_case(rank, world, B=2, H=3, S=16, Kqk=8, Kv=8, scale=None, seed=0)
+    # MLA-shaped: q/k head dim != v head dim, explicit scale
+    _attention_case(rank, world, B=1, H=2, S=16, Kqk=24, Kv=16, scale=0.3, seed=1)
+    # any split works, not just the load-balanced one: rank r holds cp=4 shards r and r + 2 (4 chunks each)
+    idx4 = torch.cat([cp_shard_indices(32, 4, rank), cp_shard_indices(32, 4, rank + 2)])
+    _attention_case(rank, world, B=1, H=2, S=32, Kqk=8, Kv=8, scale=None, seed=2, idx=idx4)
+    # padding masks are refused
+    attn = AllGatherKVAttention(dist.group.WORLD)
+    x = torch.zeros(1, 1, 4, 2)
+    try:
+        attn(x, x, x, torch.ones(1, 1, 4, 8, dtype=torch.bool), None, torch.arange(4))
+    except ValueError as e:
+        assert "pack sequences instead" in str(e)
+    else:
+        raise AssertionError("padding mask was accepted")
+    _tiny_model_case(rank, world)
+    return True
+
+
+def test_cp2_attention_and_tiny_model():
+    # one launch for all multi-rank cases (starting ranks dominates the run time)
+    assert run_distributed(_cp_suite, 2)
