@@ -11,6 +11,7 @@ import datetime
 import os
 import pickle
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -54,14 +55,21 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
+    # read results while the ranks run: a rank blocks on a large result until the pipe is drained
+    deadline = time.monotonic() + timeout
+    results = []
+    while len(results) < world_size and time.monotonic() < deadline:
+        if queue.empty():
+            if not any(p.is_alive() for p in procs) and queue.empty():
+                break
+            time.sleep(0.05)
+            continue
+        results.append(queue.get())
     for p in procs:
-        p.join(timeout)
+        p.join(max(1.0, deadline - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    results = []
-    while not queue.empty():
-        results.append(queue.get())
     errors = [f"rank {r}:\n{msg}" for r, status, msg in results if status == "error"]
     if errors:
         raise AssertionError("distributed test failed\n" + "\n".join(errors))

@@ -172,14 +172,20 @@ def apply_fsdp(
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
+        ignored: set[nn.Parameter] = set()
         if inner.is_moe:
             if expert_mesh is not None:
                 fully_shard(inner.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            elif any(isinstance(p, DTensor) for p in inner.moe.experts.parameters()):
+                # experts split over every rank (ep x etp = W): nothing to shard or reduce, and their ep mesh
+                # must not meet the dense mesh in one FSDP group
+                ignored = set(inner.moe.experts.parameters())
             if dense_mesh is not None and param_dtype is not None:
                 # the router computes in fp32: keep its gathered weight fp32 too
                 fully_shard(inner.moe.router, mesh=dense_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
         if dense_mesh is not None:
-            fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                        ignored_params=ignored or None)
     if dense_mesh is not None:
         fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
     for m in model.modules():
@@ -213,8 +219,9 @@ def parallelize(
     apply_ep(model, dims, dispatcher)
     apply_router_groups(model, dims)
     apply_ac(model, activation_checkpointing)
-    dense = dims.fsdp_mesh() if dims.fsdp_enabled else None
-    expert = dims.expert_fsdp_mesh() if dims.expert_fsdp_enabled else None
+    # data-parallel replicas of a parameter need FSDP (sharding and/or HSDP replication) to sum its gradient
+    dense = dims.fsdp_mesh() if dims.dp_replicate * dims.dp_shard * dims.cp > 1 else None
+    expert = dims.expert_fsdp_mesh() if dims.dp_replicate * dims.edp_shard > 1 else None
     if dense is not None or expert is not None:
         apply_fsdp(model, dense, expert, param_dtype, reduce_dtype, reshard_after_forward)
     model._lightning_moe_tp_sync = sync
