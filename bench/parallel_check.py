@@ -69,9 +69,29 @@ def run(args: argparse.Namespace) -> None:
             self.times.append(time.perf_counter() - self._t)
             self.losses.append(float(pl_module.last_train_loss))
 
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from lightning_moe.models.transformer import MoETransformer
+
+    # identical starting weights in every run: a seeded unsharded init, loaded into the (sharded) model;
+    # seeded init of sharded DTensors would differ from it
     torch.manual_seed(0)
+    ref = MoETransformer(model_config := __import__("lightning_moe").ModelConfig.from_preset("tiny"))
+    ref.init_weights()
+    weights = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    del ref
+
+    class SameInit(MoELanguageModel):
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            super().configure_model()
+            dev = self.trainer.strategy.root_device
+            set_model_state_dict(self.model, {k: v.to(dev) for k, v in weights.items()},
+                                 options=StateDictOptions(full_state_dict=True))
+
     rec = Record()
-    model = MoELanguageModel("tiny", lr=3e-3, warmup_steps=5)
+    model = SameInit(model_config, lr=3e-3, warmup_steps=5)
     data = TextDataModule(seq_len=256, batch_size=args.global_batch // dp, shuffle=False, val_fraction=0.0)
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu else "gpu", devices=world, strategy=strategy, precision="32-true", max_steps=args.steps,

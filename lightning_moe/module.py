@@ -258,17 +258,21 @@ class MoELanguageModel(L.LightningModule):
     # ---- optimisation -------------------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        decay, no_decay = [], []
+        groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
         for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
-            # no weight decay on norms, biases (all 1-D) and embeddings
-            (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
+            # no weight decay on norms, biases (all 1-D) and embeddings; DTensors and plain tensors (e.g. the
+            # router under tp without FSDP) in separate groups: one fused/foreach kernel cannot mix them
+            no_decay = p.ndim < 2 or "tok_embeddings" in name
+            groups.setdefault((no_decay, isinstance(p, DTensor)), []).append(p)
+        params = [p for g in groups.values() for p in g]
         fused = hp.fused
         if fused is None:
-            fused = all(p.device.type == "cuda" for p in decay + no_decay)
+            fused = bool(params) and all(p.device.type == "cuda" for p in params)
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": g, "weight_decay": 0.0 if no_decay else hp.weight_decay}
+             for (no_decay, _), g in sorted(groups.items())],
             lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
         )
         total = hp.max_steps

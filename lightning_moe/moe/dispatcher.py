@@ -71,7 +71,9 @@ class TokenDispatcher:
 
     num_local_experts: Optional[int] = None
 
-    def dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int) -> tuple[Tensor, Tensor, DispatchContext]:
+    def dispatch(
+        self, x_TD: Tensor, routing: RoutingResult, num_experts: int
+    ) -> tuple[Tensor, Tensor, DispatchContext]:
         raise NotImplementedError
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
@@ -248,7 +250,9 @@ class LocalDispatcher(TokenDispatcher):
     def __init__(self, pad_to_capacity: bool = False) -> None:
         self.pad_to_capacity = pad_to_capacity
 
-    def dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int) -> tuple[Tensor, Tensor, DispatchContext]:
+    def dispatch(
+        self, x_TD: Tensor, routing: RoutingResult, num_experts: int
+    ) -> tuple[Tensor, Tensor, DispatchContext]:
         E = num_experts
         self.num_local_experts = E
         T, k = routing.expert_ids.shape
@@ -417,7 +421,9 @@ class AllToAllDispatcher(_GroupedDispatcher):
         recv = [[flat[(q * P + p) * e:(q * P + p + 1) * e] for p in range(P)] for q in range(Q)]
         return send, recv, recv_QPe.view(Q, P, e)
 
-    def dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int) -> tuple[Tensor, Tensor, DispatchContext]:
+    def dispatch(
+        self, x_TD: Tensor, routing: RoutingResult, num_experts: int
+    ) -> tuple[Tensor, Tensor, DispatchContext]:
         E = num_experts
         e = self._local_experts(E)
         P, Q = self.ep_size, self.etp_size
@@ -495,7 +501,9 @@ class AllGatherDispatcher(_GroupedDispatcher):
             t = _all_gather_autograd(t.contiguous(), 0, self.etp_group)
         return t
 
-    def dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int) -> tuple[Tensor, Tensor, DispatchContext]:
+    def dispatch(
+        self, x_TD: Tensor, routing: RoutingResult, num_experts: int
+    ) -> tuple[Tensor, Tensor, DispatchContext]:
         E = num_experts
         e = self._local_experts(E)
         P, Q = self.ep_size, self.etp_size
