@@ -14,6 +14,7 @@ plain mean when micro-batches hold equal token counts) and does not depend on th
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -102,6 +103,7 @@ class MoELanguageModel(L.LightningModule):
         self._step_loss_sum: Optional[Tensor] = None
         self._step_tokens: Optional[Tensor] = None
         self._val_sums: Optional[Tensor] = None
+        self._last_step_time: Optional[float] = None
 
     # ---- model construction -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -196,10 +198,41 @@ class MoELanguageModel(L.LightningModule):
         self.log("train/aux_loss", self._step_aux / self._num_micro)
         self.log("train/z_loss", self._step_z / self._num_micro)
         self.log("train/tokens", self._step_tokens.float())
-        for layer_idx, layer in self._moe_layers_by_index():
+        # throughput of the whole run (all ranks): valid tokens of the step over the wall time since the last step
+        # (the finiteness check above synchronised, so the clock sees the device's work)
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            tps = float(self._step_tokens) / max(now - self._last_step_time, 1e-9)
+            self.log("train/tokens_per_sec", tps, prog_bar=True)
+            self.log("train/tokens_per_sec_per_device", tps / self.trainer.world_size)
+        self._last_step_time = now
+        self._log_routing_stats()
+        self._step_loss_sum = self._step_tokens = None
+
+    @torch.no_grad()
+    def _log_routing_stats(self) -> None:
+        """Per MoE layer (last micro-batch, all ranks): aux and z losses, the load of the busiest expert over the
+        mean load, and in capacity mode the fraction of assignments dropped. One small all-reduce per step."""
+        layers = self._moe_layers_by_index()
+        if not layers:
+            return
+        counts_LE = torch.stack([layer.last_stats["tokens_per_expert"].float() for _, layer in layers])
+        dropped_L = torch.stack([layer.last_stats["num_dropped"].float() for _, layer in layers])
+        stats = torch.cat([counts_LE, dropped_L[:, None]], dim=1)
+        group = layers[0][1].router.global_group
+        if group is not None:
+            import torch.distributed._functional_collectives as funcol
+
+            stats = funcol.all_reduce(stats, "sum", group)
+        counts_LE, dropped_L = stats[:, :-1], stats[:, -1]
+        load_ratio_L = counts_LE.max(-1).values / counts_LE.mean(-1).clamp(min=1e-9)
+        assigned_L = counts_LE.sum(-1) + dropped_L
+        for i, (layer_idx, layer) in enumerate(layers):
             self.log(f"moe/layer{layer_idx}/aux_loss", layer.last_aux_loss.detach())
             self.log(f"moe/layer{layer_idx}/z_loss", layer.last_z_loss.detach())
-        self._step_loss_sum = self._step_tokens = None
+            self.log(f"moe/layer{layer_idx}/max_load_ratio", load_ratio_L[i])
+            if layer.config.capacity_factor is not None:
+                self.log(f"moe/layer{layer_idx}/dropped_fraction", dropped_L[i] / assigned_L[i].clamp(min=1))
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
@@ -224,6 +257,7 @@ class MoELanguageModel(L.LightningModule):
     # ---- validation ---------------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
         self._val_sums = None
+        self._last_step_time = None  # validation time is no training throughput
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         loss_sum, n_local = self._token_loss_sum(batch)

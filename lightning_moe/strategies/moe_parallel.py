@@ -99,17 +99,28 @@ class MoEParallelStrategy(ModelParallelStrategy):
             raise RuntimeError("the parallel layout exists once the processes are initialised (Trainer.fit)")
         return self._parallel_dims
 
-    @override
-    def setup_environment(self) -> None:
-        self._setup_distributed()
+    def _dims(self) -> ParallelDims:
         sizes = dict(self._sizes)
         if sizes["dp_shard"] == "auto":
             sizes["dp_shard"] = -1
-        dims = ParallelDims(world_size=self.world_size, **sizes)
+        return ParallelDims(world_size=self.world_size, **sizes)
+
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        if self.cluster_environment is not None and self.parallel_devices:
+            # the Trainer's constructor gets here: a layout that cannot fit the world fails now, not after launch
+            self._dims()
+
+    @override
+    def setup_environment(self) -> None:
+        # validate sizes and the model against them before any process group is created
+        dims = self._dims()
         module = self.lightning_module
         cfg = getattr(module, "config", None)
         if cfg is not None:
-            dims.validate(cfg)  # before any process group of ours exists
+            dims.validate(cfg)
+        self._setup_distributed()
         dims.build_meshes(self.root_device.type)
         self._parallel_dims = dims
         self._device_mesh = dims.dense_mesh
