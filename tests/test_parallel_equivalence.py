@@ -23,6 +23,7 @@ W2_LAYOUTS = {
     "allgather dispatcher ep=2": dict(layout=dict(ep=2, dispatcher="allgather")),
     "gradient accumulation 2, ep=2": dict(layout=dict(ep=2), accumulate=2),
     "clipping active, tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), clip=0.05),
+    "activation checkpointing, ep=2": dict(layout=dict(ep=2, activation_checkpointing="full")),
 }
 W4_LAYOUTS = {
     "dp_shard=4 ep=2": dict(layout=dict(dp_shard=4, ep=2)),
