@@ -121,7 +121,7 @@ def test_kv_heads_not_divisible_by_tp():
 def test_mla_kv_heads_not_split():
     cfg = tiny(attention="mla", qk_norm="none", num_heads=4, num_kv_heads=1, kv_lora_rank=32,
                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    P(4, tp=4).validate(cfg)  # MLA's latent key/value is replicated over tp: only num_heads counts
+    P(4, ep=4).validate(cfg)  # num_kv_heads means nothing for MLA: no kv-head check without tp
 
 
 def test_hidden_sizes_not_divisible_by_tp():
@@ -132,8 +132,16 @@ def test_hidden_sizes_not_divisible_by_tp():
         P(4, tp=4).validate(dense)
     # a MoE model without dense layers never uses dense_hidden_size
     P(4, tp=4, ep=4).validate(tiny(dense_hidden_size=258, num_kv_heads=4, moe=dict(first_k_dense=0)))
-    with raises("tp=4 does not divide moe.shared_expert_hidden_size=130"):
-        P(4, tp=4).validate(tiny(num_kv_heads=4, moe=dict(shared_expert_hidden_size=130)))
+    # shared experts are replicated over tp (each tp rank runs them on its own tokens): any size is fine
+    P(4, tp=4).validate(tiny(num_kv_heads=4, moe=dict(shared_expert_hidden_size=130)))
+
+
+def test_tp_with_mla_or_full_qk_norm_is_rejected():
+    with raises("tp=2 is not supported with MLA attention yet: set tp=1"):
+        P(2, tp=2).validate(tiny(attention="mla", num_kv_heads=4, qk_norm="none", kv_lora_rank=16,
+                                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16))
+    with raises("qk_norm='full' normalises over all heads and cannot be split by tp=2"):
+        P(2, tp=2).validate(tiny(qk_norm="full"))
 
 
 def test_etp_not_dividing_expert_hidden_size():

@@ -266,11 +266,16 @@ class ParallelDims:
                     f"tp={tp} does not divide dense_hidden_size={FD} (the dense MLP is split over tp): choose tp "
                     f"in {_fmt_set(_divisors(math.gcd(FD, self._replica)))}"
                 )
-            S = moe.shared_expert_hidden_size if E > 0 else 0
-            if S and S % tp != 0:
+            # shared experts stay whole on every tp rank (they see that rank's own sequence-parallel tokens)
+            if getattr(cfg, "attention", "gqa") == "mla":
                 raise ValueError(
-                    f"tp={tp} does not divide moe.shared_expert_hidden_size={S} (shared experts are split over tp "
-                    f"like the dense MLP): choose tp in {_fmt_set(_divisors(math.gcd(S, self._replica)))}"
+                    f"tp={tp} is not supported with MLA attention yet: set tp=1 and use ep, cp and FSDP (dp_shard) "
+                    "for DeepSeek presets"
+                )
+            if cfg.qk_norm == "full":
+                raise ValueError(
+                    f"qk_norm='full' normalises over all heads and cannot be split by tp={tp}: use tp=1 or "
+                    "qk_norm='head'"
                 )
 
     # ---- derived sizes ------------------------------------------------------------------------------
