@@ -178,8 +178,9 @@ def apply_fsdp(
                 # experts split over every rank (ep x etp = W): nothing to shard or reduce, and their ep mesh
                 # must not meet the dense mesh in one FSDP group
                 ignored = set(inner.moe.experts.parameters())
-            if dense_mesh is not None and param_dtype is not None:
-                # the router computes in fp32: keep its gathered weight fp32 too
+            if dense_mesh is not None:
+                # the router stays fp32 (its own FSDP group: one group cannot mix parameter dtypes under bf16-true,
+                # and a bf16 all-gather would round its weight)
                 fully_shard(inner.moe.router, mesh=dense_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
         if dense_mesh is not None:
             fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,

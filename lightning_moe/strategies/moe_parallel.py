@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_moe.moe.router import TopKRouter
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import AC_MODES, DISPATCHERS, parallelize
 
@@ -133,6 +134,32 @@ class MoEParallelStrategy(ModelParallelStrategy):
         dims = self.parallel_dims
         # tp and cp peers read the same samples; ep never changes what a rank reads
         return {"num_replicas": dims.batch_size_world, "rank": dims.batch_rank(self.global_rank)}
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        # configure_model builds every parameter in the precision's dtype already (Lightning's init context);
+        # the second module.to(dtype) of Lightning's precision plugin would cast the fp32 routing state, which
+        # FSDP2 gives no way back from. Skip it, then check nothing was left in another dtype.
+        plugin = self.precision_plugin
+        plugin.convert_module = lambda module: module  # instance attribute shadows the method
+        try:
+            super().setup(trainer)
+        finally:
+            del plugin.convert_module
+        self._check_param_dtypes()
+
+    def _check_param_dtypes(self) -> None:
+        want = getattr(self.precision_plugin, "_desired_input_dtype", None)
+        if want is None or self.model is None:
+            return
+        routing = {id(p) for m in self.model.modules() if isinstance(m, TopKRouter) for p in m.parameters()}
+        wrong = [n for n, p in self.model.named_parameters()
+                 if p.is_floating_point() and id(p) not in routing and p.dtype != want]
+        if wrong:
+            raise ValueError(
+                f"parameters {wrong[:3]} are not {want} under precision {self.precision_plugin.precision!r}: "
+                "build the model inside configure_model (Lightning's init context sets the dtype there)"
+            )
 
     # ---- hooks used by MoELanguageModel ---------------------------------------------------------------
     def parallelize_model(self, model: nn.Module) -> nn.Module:
