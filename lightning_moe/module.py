@@ -34,6 +34,17 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _load_unsharded_init(model: MoETransformer, config: ModelConfig, seed: int) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with torch.device("meta"):
+        full = MoETransformer(config)
+    full.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    full.init_weights()
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
 def _resolve_config(config: Union[ModelConfig, str, dict]) -> ModelConfig:
     if isinstance(config, ModelConfig):
         return config
@@ -120,7 +131,16 @@ class MoELanguageModel(L.LightningModule):
             # parallel layouts shard on meta, then materialise only the local shards
             model = parallelize_fn(model)
         model.to_empty(device=device)
+        if strategy is not None and strategy.world_size > 1:
+            # one initialisation for the whole world: replicated plain tensors (e.g. the router under tp without
+            # FSDP) must agree across ranks, whatever each process's RNG state was
+            torch.manual_seed(strategy.broadcast(torch.initial_seed() % 2**63))
         model.init_weights()
+        if device.type == "cpu" and any(isinstance(p, DTensor) for p in model.parameters()):
+            # CPU meshes have no DTensor RNG tracker: every rank would draw the same numbers for its own shard
+            # (duplicated experts and router rows). Initialise the unsharded model and load it instead: the same
+            # weights as one process (CPU runs are small).
+            _load_unsharded_init(model, self.config, torch.initial_seed())
         self.model = model
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:

@@ -56,3 +56,38 @@ def test_invalid_layout_fails_at_trainer_construction():
         MoEParallelStrategy(dispatcher="deepep")
     with pytest.raises(ValueError, match="ep must be a positive integer"):
         MoEParallelStrategy(ep=0)
+
+
+def _initial_weights(rank: int, world_size: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_moe import MoELanguageModel, MoEParallelStrategy
+    from lightning_moe.models.transformer import MoETransformer
+
+    L.seed_everything(7)
+    cfg = small_config()
+    model = MoELanguageModel(cfg)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MoEParallelStrategy(ep=2), max_steps=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, datamodule=FixedData(4, 8))
+    got = get_model_state_dict(model.model, options=StateDictOptions(full_state_dict=True))
+    got = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in got.items()}
+    with torch.device("meta"):
+        ref = MoETransformer(cfg)
+    ref.to_empty(device="cpu")
+    torch.manual_seed(7)
+    ref.init_weights()
+    return {"got": {k: v.detach().clone() for k, v in got.items()}, "ref": ref.state_dict()}
+
+
+def test_sharded_cpu_init_equals_the_unsharded_init():
+    """On CPU meshes DTensor has no RNG tracker; a seeded run must not give every shard the same numbers
+    (duplicated experts and router rows): the strategy's model starts from the one-process init."""
+    out = run_distributed(_initial_weights, 2)
+    got, ref = out["got"], out["ref"]
+    assert set(got) == set(ref)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    w1 = got["layers.1.moe.experts.w1"]
+    assert not torch.equal(w1[0], w1[2]), "experts on the two ep ranks must differ"
