@@ -3,7 +3,9 @@
 fp32, plain SGD, 3 steps: every step's train_loss and every final parameter within 1e-5 relative to its norm.
 The config uses sigmoid routing with the aux-loss-free expert bias, the per-sequence aux loss, z-loss and shared
 experts, so the loss normalisation, the routers' reduction groups and the bias update are all exercised; the
-expert bias must be bitwise identical on every rank.
+expert bias must be bitwise identical on every rank. Two cases use the global aux loss (counts over every rank),
+which is layout-invariant too. The micro-batch "aux" loss is per data-parallel rank by definition and is not
+compared; under gradient accumulation "global" sees one micro-batch at a time, so that case keeps "seq".
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ W2_LAYOUTS = {
     "gradient accumulation 2, ep=2": dict(layout=dict(ep=2), accumulate=2),
     "clipping active, tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), clip=0.05),
     "activation checkpointing, ep=2": dict(layout=dict(ep=2, activation_checkpointing="full")),
+    "global aux loss, ep=2": dict(layout=dict(ep=2), moe=dict(aux_loss_type="global")),
 }
 W4_LAYOUTS = {
     "dp_shard=4 ep=2": dict(layout=dict(dp_shard=4, ep=2)),
+    "global aux loss, tp=2 x dp_shard=2 ep=2": dict(layout=dict(tp=2, dp_shard=2, ep=2),
+                                                   moe=dict(aux_loss_type="global")),
     "HSDP dp_replicate=2 x dp_shard=2 ep=2": dict(layout=dict(dp_replicate=2, dp_shard=2, ep=2)),
     "tp=2 x dp_shard=2 ep=2 etp=2": dict(layout=dict(tp=2, dp_shard=2, ep=2, etp=2)),
 }
@@ -36,7 +41,7 @@ def _run_layouts(rank: int, world_size: int, cases: dict) -> dict:
     out = {}
     for name, case in cases.items():
         try:
-            res = train(case["layout"], world_size, case.get("accumulate", 1), case.get("clip"))
+            res = train(case["layout"], world_size, case.get("accumulate", 1), case.get("clip"), case.get("moe"))
             # the expert bias must agree bitwise on every rank
             for b in res["biases"]:
                 gathered = [torch.empty_like(b) for _ in range(world_size)]
@@ -55,10 +60,10 @@ def _run_layouts(rank: int, world_size: int, cases: dict) -> dict:
 _REFS: dict = {}
 
 
-def _reference(accumulate: int = 1, clip=None) -> dict:
-    key = clip
+def _reference(clip=None, moe=None) -> dict:
+    key = (clip, tuple(sorted((moe or {}).items())))
     if key not in _REFS:
-        _REFS[key] = train(None, 1, 1, clip)
+        _REFS[key] = train(None, 1, 1, clip, moe)
     return _REFS[key]
 
 
@@ -69,7 +74,7 @@ def _check(results: dict, cases: dict) -> None:
         if "error" in res:
             failures.append(f"[{name}] {res['error']}")
             continue
-        ref = _reference(clip=case.get("clip"))
+        ref = _reference(clip=case.get("clip"), moe=case.get("moe"))
         assert ref["losses"][0] > ref["losses"][-1], "the reference run should learn"
         problems = compare(res, ref)
         if problems:
