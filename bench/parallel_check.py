@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> None:
     model = SameInit(model_config, lr=3e-3, warmup_steps=5)
     data = TextDataModule(seq_len=256, batch_size=args.global_batch // dp, shuffle=False, val_fraction=0.0)
     trainer = L.Trainer(
-        accelerator="cpu" if args.cpu else "gpu", devices=world, strategy=strategy, precision="32-true", max_steps=args.steps,
+        accelerator="cpu" if args.cpu else "gpu", devices=world, strategy=strategy, precision=args.precision, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec],
     )
@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> None:
     if trainer.global_rank == 0:
         timed = rec.times[3:] or rec.times
         tokens = args.global_batch * 256
-        res = {"layout": args.layout, "world": world, "losses": rec.losses,
+        res = {"layout": args.layout + ("" if args.precision == "32-true" else f" {args.precision}"),
+               "world": world, "losses": rec.losses,
                "tokens_per_s": tokens / (sum(timed) / len(timed)), "torch": torch.__version__}
         with open(args.out, "w") as f:
             json.dump(res, f)
@@ -140,6 +141,7 @@ def main() -> None:
     p.add_argument("--out", default="parallel_check.json")
     p.add_argument("--compare", nargs="+", help="JSON files, the first is the reference")
     p.add_argument("--tol", type=float, default=0.02)
+    p.add_argument("--precision", default="32-true", help="Lightning precision (32-true compares rounding only)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test of this script)")
     args = p.parse_args()
     if args.compare:
