@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.utils._pytree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -55,6 +56,11 @@ class RoutingResult:
     capacity: Optional[int] = None
     num_dropped: Optional[Tensor] = None
     scores: Optional[Tensor] = None
+
+
+# A pytree node, so that module hooks that walk outputs (FSDP2's pre-backward hook, activation checkpointing) see its
+# tensors: without it an FSDP-wrapped router frees its all-gathered weight before backward needs it.
+torch.utils._pytree.register_dataclass(RoutingResult)
 
 
 # ---- pure helpers ------------------------------------------------------------------------------------

@@ -181,7 +181,8 @@ def apply_fsdp(
             if dense_mesh is not None:
                 # the router stays fp32 (its own FSDP group: one group cannot mix parameter dtypes under bf16-true,
                 # and a bf16 all-gather would round its weight)
-                fully_shard(inner.moe.router, mesh=dense_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
+                # (kept gathered from forward to backward: E x D is small, and it spares one all-gather)
+                fully_shard(inner.moe.router, mesh=dense_mesh, mp_policy=fp32, reshard_after_forward=False)
         if dense_mesh is not None:
             fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                         ignored_params=ignored or None)
