@@ -300,7 +300,8 @@ class MoELanguageModel(L.LightningModule):
                     logger.log_metrics({"val_loss": self.initial_val_loss}, step=0)
             return
         self.last_val_loss = float(val_loss)
-        self.log("val_loss", val_loss, prog_bar=True, sync_dist=False)
+        # already the global value on every rank; sync_dist only quiets Lightning's warning (one tiny all-reduce)
+        self.log("val_loss", val_loss, prog_bar=True, sync_dist=True)
 
     def on_fit_end(self) -> None:
         first, last = getattr(self, "initial_val_loss", None), getattr(self, "last_val_loss", None)
