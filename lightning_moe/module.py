@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ModelConfig
 from lightning_moe.models.transformer import MoETransformer
+from lightning_moe.parallel.grads import scale_grads_
 
 IGNORE_INDEX = -100
 
@@ -201,10 +202,7 @@ class MoELanguageModel(L.LightningModule):
             sync()
         n_step = self._step_tokens.clamp(min=1)
         scale = self.trainer.accumulate_grad_batches / n_step
-        # local shards: gradients of DTensors on different meshes cannot meet in one DTensor op
-        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, _local(scale).to(grads[0].device))
+        scale_grads_(self.parameters(), _local(scale))  # per local shard: parameters live on several meshes
         for layer in self.model.moe_layers():
             layer.router.update_expert_bias()
         train_loss = self._step_loss_sum / n_step
