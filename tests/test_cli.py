@@ -15,24 +15,15 @@ import pytest
 import torch
 import yaml
 
-from lightning_moe.cli import main
+
 from lightning_moe.config import ModelConfig, preset_names
+from _cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "configs" / "tiny.yaml")
 
 
-def _run(argv):
-    """main(argv) -> exit code (0 for a normal return). sys.argv is pytest's own: hide it from LightningCLI."""
-    saved = sys.argv
-    sys.argv = ["lightning-moe"]
-    try:
-        main(argv)
-    except SystemExit as e:
-        return 0 if e.code is None else e.code
-    finally:
-        sys.argv = saved
-    return 0
+_run = run_cli
 
 
 def test_fit_tiny_config_short_run(tmp_path):

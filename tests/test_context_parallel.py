@@ -11,7 +11,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from _dist import run_distributed
 from lightning_moe.config import ModelConfig

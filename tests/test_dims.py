@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from _dist import run_distributed
 
-from lightning_moe.config import ModelConfig, MoEConfig
+from lightning_moe.config import ModelConfig
 from lightning_moe.parallel.dims import ParallelDims
 
 

@@ -10,12 +10,13 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from lightning_moe.cli import MoECLI, main
+from lightning_moe.cli import MoECLI
 from lightning_moe.config import ModelConfig, MoEConfig
 from lightning_moe.data import TextDataModule
 from lightning_moe.module import MoELanguageModel
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.plan import PRECISION_BYTES, alltoall_volume, layout_plan, layout_rows, memory_plan
+from _cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -23,17 +24,7 @@ EXAMPLES = sorted(CONFIGS.glob("*.yaml"))
 QWEN_8GPU = CONFIGS / "qwen3_moe_30b_8gpu.yaml"
 
 
-def _run(argv):
-    """main(argv) -> exit code; sys.argv is pytest's own: hide it from LightningCLI."""
-    saved = sys.argv
-    sys.argv = ["lightning-moe"]
-    try:
-        main(argv)
-    except SystemExit as e:
-        return 0 if e.code is None else e.code
-    finally:
-        sys.argv = saved
-    return 0
+_run = run_cli
 
 
 def _strategy_sizes(doc: dict) -> dict:
