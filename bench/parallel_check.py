@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
-    from lightning_moe import MoELanguageModel, MoEParallelStrategy
+    from lightning_moe import MoELanguageModel, MoEParallelStrategy, ModelConfig
     from lightning_moe.data import TextDataModule
     from lightning_moe.parallel.dims import ParallelDims
 
@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> None:
     # identical starting weights in every run: a seeded unsharded init, loaded into the (sharded) model;
     # seeded init of sharded DTensors would differ from it
     torch.manual_seed(0)
-    ref = MoETransformer(model_config := __import__("lightning_moe").ModelConfig.from_preset("tiny"))
+    model_config = ModelConfig.from_preset("tiny")
+    ref = MoETransformer(model_config)
     ref.init_weights()
     weights = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     del ref

@@ -31,10 +31,6 @@ from lightning_moe.parallel.grads import scale_grads_
 IGNORE_INDEX = -100
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _load_unsharded_init(model: MoETransformer, config: ModelConfig, seed: int) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -202,7 +198,7 @@ class MoELanguageModel(L.LightningModule):
             sync()
         n_step = self._step_tokens.clamp(min=1)
         scale = self.trainer.accumulate_grad_batches / n_step
-        scale_grads_(self.parameters(), _local(scale))  # per local shard: parameters live on several meshes
+        scale_grads_(self.parameters(), scale)  # per local shard: parameters live on several meshes
         for layer in self.model.moe_layers():
             layer.router.update_expert_bias()
         train_loss = self._step_loss_sum / n_step

@@ -125,12 +125,14 @@ def apply_ep(model: MoETransformer, dims: ParallelDims, dispatcher: str = "allto
         w13, w2 = [Shard(0)], [Shard(0)]
     ep_group = dims.expert_mesh.get_group("ep")
     etp_group = dims.expert_mesh.get_group("etp") if dims.etp_enabled else None
-    cls = AllToAllDispatcher if dispatcher == "alltoall" else AllGatherDispatcher
     for layer in model.moe_layers():
         _shard_param(layer.experts, "w1", mesh, w13)
         _shard_param(layer.experts, "w3", mesh, w13)
         _shard_param(layer.experts, "w2", mesh, w2)
-        layer.dispatcher = cls(ep_group, etp_group, pad_to_capacity=layer.config.pad_to_capacity) if cls is AllToAllDispatcher else cls(ep_group, etp_group)
+        if dispatcher == "alltoall":
+            layer.dispatcher = AllToAllDispatcher(ep_group, etp_group, pad_to_capacity=layer.config.pad_to_capacity)
+        else:
+            layer.dispatcher = AllGatherDispatcher(ep_group, etp_group)
 
 
 def apply_router_groups(model: MoETransformer, dims: ParallelDims) -> None:

@@ -193,11 +193,6 @@ class MoEParallelStrategy(ModelParallelStrategy):
         params = [p for m in self._tp_sync_modules for p in m.parameters() if p.grad is not None]
         all_reduce_grads(params, self.parallel_dims.tp_mesh.get_group())
 
-    def clip_gradients(self, parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
-        from lightning_moe.parallel.grads import clip_grad_norm_
-
-        return clip_grad_norm_(parameters, max_norm, norm_type)
-
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of a (labelled) batch: the load-balanced context-parallel chunks and their positions."""
         dims = self.parallel_dims
