@@ -32,6 +32,16 @@ class YaRNScaling:
             raise ValueError("rope_scaling.original_max_position_embeddings must be positive")
 
 
+def _check_components(*pairs: tuple[str, str], prefix: str = "") -> None:
+    from lightning_moe.models.registry import names  # lazily: the registry imports the model modules
+
+    for kind, name in pairs:
+        known = names(kind)
+        if name not in known:
+            raise ValueError(f"{prefix}{kind}={name!r} is not a registered {kind}; choose one of {known} or "
+                             "register your own with lightning_moe.models.registry.register")
+
+
 @dataclass
 class MoEConfig:
     """Routed-expert configuration; semantics follow Megatron-Core's moe_utils.
@@ -55,6 +65,7 @@ class MoEConfig:
     shared_expert_gate: sigmoid gate on the shared expert output (Qwen2-MoE style).
     first_k_dense: the first k decoder layers use a dense MLP of ModelConfig.dense_hidden_size.
     force_balance: benchmark mode: ignore the router's choice and assign tokens round-robin.
+    router / experts / shared_experts: registered component names (``lightning_moe.models.registry``).
     """
 
     num_experts: int = 8
@@ -78,6 +89,9 @@ class MoEConfig:
     shared_expert_gate: bool = False
     first_k_dense: int = 0
     force_balance: bool = False
+    router: str = "topk"
+    experts: str = "grouped_mm"
+    shared_experts: str = "swiglu"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +100,8 @@ class MoEConfig:
         E, k = self.num_experts, self.top_k
         if E < 0:
             raise ValueError(f"moe.num_experts must be >= 0 (0 = dense model), got {E}")
+        _check_components(("router", self.router), ("experts", self.experts),
+                           ("shared_experts", self.shared_experts), prefix="moe.")
         if E == 0:
             return
         if k < 1:
@@ -158,7 +174,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[YaRNScaling] = None
     qk_norm: Literal["none", "head", "full"] = "none"
-    attention: Literal["gqa", "mla"] = "gqa"
+    attention: str = "gqa"  # a registered attention: "gqa" or "mla" built in
+    mlp: str = "swiglu"  # a registered dense MLP
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -183,11 +200,10 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.attention not in ("gqa", "mla"):
-            raise ValueError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+        _check_components(("attention", self.attention), ("mlp", self.mlp))
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
-        if self.attention == "gqa":
+        if self.attention != "mla":
             if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads != 0:
                 raise ValueError(
                     f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -279,7 +295,7 @@ class ModelConfig:
 
     def attention_params(self) -> int:
         D, H = self.hidden_size, self.num_heads
-        if self.attention == "gqa":
+        if self.attention != "mla":
             hd = self.head_dim
             assert hd is not None
             n = D * H * hd + 2 * D * self.num_kv_heads * hd + H * hd * D

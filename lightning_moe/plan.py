@@ -132,7 +132,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _attention_tp_replicated(config: ModelConfig) -> int:
     """Attention parameters of one layer that tensor parallelism does not split (norms inside attention)."""
-    if config.attention == "gqa":
+    if config.attention != "mla":
         hd = config.head_dim or 0
         if config.qk_norm == "head":
             return 2 * hd
@@ -324,7 +324,7 @@ def format_layout_plan(name: str, config: ModelConfig, plan: LayoutPlan) -> str:
         f"(attention, embeddings, norms, router, shared experts; FSDP over dp_shard*cp={dps * d.cp})",
         f"  expert: dp_replicate={d.dp_replicate} x edp_shard={d.edp_shard} x ep={d.ep} x etp={d.etp}  "
         f"(routed experts; FSDP over edp_shard={d.edp_shard})",
-        f"  batch : dp_replicate={d.dp_replicate} x dp_shard={dps} = {d.batch_size_world} data shards of "
+        f"  batch : dp_replicate={d.dp_replicate} x dp_shard={dps} = {d.num_data_shards} data shards of "
         f"micro_batch={plan.micro_batch} x seq_len={plan.seq_len} (cp*tp={d.token_group_size} ranks share each)",
         f"precision {plan.precision}: PER-GPU bytes (router fp32 under every precision; nothing is divided by "
         f"dp_replicate)",

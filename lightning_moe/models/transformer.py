@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.config import ModelConfig, YaRNScaling
+from lightning_moe.models import registry
 from lightning_moe.moe.layer import MoELayer
 
 
@@ -218,17 +219,20 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm block: attention and an MLP (dense, or MoE where ``cfg.is_moe_layer``); components are built by
+    name through :mod:`lightning_moe.models.registry`."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attention = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.attention = registry.build("attention", cfg.attention, cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
             self.moe = MoELayer(cfg.moe, cfg.hidden_size)
         else:
-            self.feed_forward = FeedForward(cfg.hidden_size, cfg.dense_hidden_size)
+            self.feed_forward = registry.build("mlp", cfg.mlp, cfg.hidden_size, cfg.dense_hidden_size)
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor], padding_mask_BS: Optional[Tensor]) -> Tensor:
         h = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S, mask)

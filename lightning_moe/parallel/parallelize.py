@@ -140,7 +140,7 @@ def apply_router_groups(model: MoETransformer, dims: ParallelDims) -> None:
     for layer in model.moe_layers():
         layer.router.token_group = dims.token_group
         layer.router.global_group = dims.global_group
-        layer.router.dp_size = dims.batch_size_world
+        layer.router.num_data_shards = dims.num_data_shards
 
 
 def apply_ac(model: MoETransformer, mode: str = "full") -> None:
