@@ -14,7 +14,7 @@ strategy can do that once per optimizer step.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -156,6 +156,22 @@ def apply_ac(model: MoETransformer, mode: str = "full") -> None:
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+def _expert_shard_placement(experts: nn.Module, edp: int) -> Callable[[nn.Parameter], Shard]:
+    """FSDP shard dim of the routed-expert weights: the local-expert dim when the local experts split evenly over
+    the edp ranks, else the hidden dim D (w1/w3 [e, F, D]: dim 2; w2 [e, D, F]: dim 1), so no rank is left without
+    a shard (e.g. Mixtral's 8 experts over 16 ranks with ep=1)."""
+    w2 = experts.w2
+    local_experts = (w2.to_local() if isinstance(w2, DTensor) else w2).shape[0]
+    even = local_experts % edp == 0
+
+    def placement(param: nn.Parameter) -> Shard:
+        if even:
+            return Shard(0)
+        return Shard(1) if param is w2 else Shard(2)
+
+    return placement
+
+
 def apply_fsdp(
     model: MoETransformer,
     dense_mesh: Optional[DeviceMesh],
@@ -170,12 +186,14 @@ def apply_fsdp(
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    edp = expert_mesh.size(expert_mesh.ndim - 1) if expert_mesh is not None else 1  # HSDP: the inner dim shards
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         ignored: set[nn.Parameter] = set()
         if inner.is_moe:
             if expert_mesh is not None:
-                fully_shard(inner.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+                fully_shard(inner.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                            shard_placement_fn=_expert_shard_placement(inner.moe.experts, edp))
             elif any(isinstance(p, DTensor) for p in inner.moe.experts.parameters()):
                 # experts split over every rank (ep x etp = W): nothing to shard or reduce, and their ep mesh
                 # must not meet the dense mesh in one FSDP group
