@@ -77,14 +77,16 @@ def optimizer_state_by_index(osd: dict[str, Any], optimizer: Optimizer, module: 
     """A by-name optimizer state arranged for ``optimizer.load_state_dict`` of the current ``optimizer``."""
     if not is_by_name(osd):
         return osd
+    names = param_names(module)
+    current = {names[id(p)] for g in optimizer.param_groups for p in g["params"]}
+    unknown = sorted(set(osd["state"]) - current)
+    if unknown:
+        raise ValueError(f"the checkpoint's optimizer state names parameters this model does not have: {unknown[:5]}")
     groups = regroup(osd["param_groups"], optimizer, module)
     index: dict[str, int] = {}
     for g in groups:
         for fqn in g["params"]:
             index[fqn] = len(index)
-    unknown = sorted(set(osd["state"]) - set(index))
-    if unknown:
-        raise ValueError(f"the checkpoint's optimizer state names parameters this model does not have: {unknown[:5]}")
     return {
         "state": {index[fqn]: s for fqn, s in osd["state"].items()},
         "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in groups],

@@ -35,6 +35,7 @@ from lightning_moe.build import ModelTransform, build_model
 from lightning_moe.checkpointing import accept_state_by_name, optimizer_state_by_name
 from lightning_moe.config import ModelConfig
 from lightning_moe.models.transformer import MoETransformer
+from lightning_moe.optim import AdamW
 from lightning_moe.parallel.finalize import StepResult, StepTotals, finalize_module_step, finalizing_closure
 from lightning_moe.strategies import MoEParallelStrategy
 
@@ -328,22 +329,20 @@ class MoELanguageModel(L.LightningModule):
     # ---- optimisation -------------------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
         for name, p in self.named_parameters():
-            if not p.requires_grad:
-                continue
-            # no weight decay on norms, biases (all 1-D) and embeddings; DTensors and plain tensors (e.g. the
-            # router under tp without FSDP) in separate groups: one fused/foreach kernel cannot mix them. The
-            # grouping depends on the layout; checkpoints hold the optimizer state by parameter name.
-            no_decay = p.ndim < 2 or "tok_embeddings" in name
-            groups.setdefault((no_decay, isinstance(p, DTensor)), []).append(p)
-        params = [p for g in groups.values() for p in g]
+            if p.requires_grad:
+                # no weight decay on norms, biases (all 1-D) and embeddings
+                (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
+        params = decay + no_decay
         fused = hp.fused
         if fused is None:
             fused = bool(params) and all(p.device.type == "cuda" for p in params)
-        optimizer = torch.optim.AdamW(
-            [{"params": g, "weight_decay": 0.0 if no_decay else hp.weight_decay}
-             for (no_decay, _), g in sorted(groups.items())],
+        # the same two groups under every layout (optimizer and LR-scheduler states resume anywhere); this AdamW
+        # keeps DTensor and plain parameters apart inside its fused kernels
+        optimizer = AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
         )
         accept_state_by_name(optimizer, self)
