@@ -58,7 +58,11 @@ class MoEConfig:
     expert_bias: aux-loss-free balancing bias (fp32 buffer, used for the choice only); requires sigmoid.
     bias_update_rate: u in b_i += u * sign(mean(n) - n_i), once per optimizer step.
     aux_loss_type: "none" | "aux" (micro-batch) | "seq" (per sequence) | "global" (counts over dp ranks).
-    capacity_factor: None = dropless; else capacity = ceil(capacity_factor * T * k / E) per expert.
+        "aux" is computed per data-parallel rank on its own micro-batch (Megatron's definition), so its value, and
+        the gradient it gives, depend on how the global batch is split over data ranks; "seq" and "global" do not.
+    capacity_factor: None = dropless; else capacity = ceil(capacity_factor * T * k / E) per expert, T being the
+        tokens ONE rank routes (per rank, as in Megatron): which tokens are dropped depends on the layout (the
+        data-parallel split, tp and cp), so a capacity-limited run is not layout-invariant; dropless runs are.
     drop_policy: "probs" keeps the highest scores, "position" the earliest tokens.
     pad_to_capacity: pad every expert's buffer to the capacity (static shapes).
     shared_expert_hidden_size: hidden size of the (fused) shared experts; 0 = none.

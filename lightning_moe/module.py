@@ -26,8 +26,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -304,8 +305,12 @@ class MoELanguageModel(L.LightningModule):
         if self._val_sums is None:
             return
         sums = self._reduce_sum(self._val_sums)
-        val_loss = sums[0] / sums[1].clamp(min=1)
         self._val_sums = None
+        if float(sums[1]) == 0:  # one host sync per validation run
+            rank_zero_warn("validation saw no valid token (every label -100 or masked): val_loss is not logged; "
+                           "check the validation data's labels and attention_mask")
+            return
+        val_loss = sums[0] / sums[1]
         if self.trainer.sanity_checking:
             # Lightning discards what the sanity check logs; when it covers the whole (limited) validation set
             # (num_sanity_val_steps=-1) it is the baseline before training, worth keeping at step 0.
@@ -360,7 +365,7 @@ class MoELanguageModel(L.LightningModule):
         """Optimizer states by parameter name, whatever the strategy (so they load under any layout)."""
         states = checkpoint.get("optimizer_states")
         if states and self._trainer is not None:
-            optimizers = [getattr(o, "_optimizer", o) for o in self.trainer.optimizers]
+            optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.trainer.optimizers]
             checkpoint["optimizer_states"] = [optimizer_state_by_name(osd, opt, self)
                                               for osd, opt in zip(states, optimizers)]
 

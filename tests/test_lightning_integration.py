@@ -379,3 +379,33 @@ def test_layout_problems_are_value_errors_before_step_one():
         got = out[name]
         assert got[0] == "ValueError" and want in got[1], (name, got)
         assert got[2] == 0, (name, "no optimizer step may have run", got)
+
+
+def test_every_other_lightning_strategy_is_refused():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    from lightning_moe.module import _check_strategy
+
+    for cls in (DDPStrategy, FSDPStrategy, ModelParallelStrategy):
+        with pytest.raises(ValueError, match="Use lightning_moe.MoEParallelStrategy"):
+            _check_strategy(cls())
+    _check_strategy(SingleDeviceStrategy(torch.device("cpu")))
+    _check_strategy(MoEParallelStrategy())
+
+
+def test_a_step_without_valid_tokens_is_an_error_or_skipped(tmp_path):
+    from lightning_moe.parallel.finalize import EmptyStepError
+
+    data = ToyData(n_train=2, batch_size=2, ignore_tail=[16, 16])  # every label of the step ignored
+    kw = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    module = MoELanguageModel(module_config(), warmup_steps=0)
+    with pytest.raises(EmptyStepError, match="no valid token in its whole global batch"):
+        L.Trainer(**kw).fit(module, data)
+    module = MoELanguageModel(module_config(), warmup_steps=0, skip_empty_steps=True)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.warns(UserWarning, match="the step is skipped"):
+        L.Trainer(**kw).fit(module, data)
+    assert module.last_step.skipped and module.last_train_loss is None
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())

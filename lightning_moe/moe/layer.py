@@ -13,9 +13,10 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_moe.autograd import in_backward
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.dispatcher import LocalDispatcher, TokenDispatcher
-from lightning_moe.moe.router import RoutingResult, in_backward
+from lightning_moe.moe.router import RoutingResult
 
 __all__ = ["MoELayer", "RoutingStats"]
 

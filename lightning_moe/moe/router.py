@@ -17,6 +17,7 @@ import torch.utils._pytree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_moe.autograd import in_backward
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.losses import (
     aux_loss_scores,
@@ -29,7 +30,7 @@ from lightning_moe.moe.losses import (
     z_loss,
 )
 
-__all__ = ["RoutingResult", "TopKRouter", "group_limited_topk", "capacity_keep_mask", "in_backward"]
+__all__ = ["RoutingResult", "TopKRouter", "group_limited_topk", "capacity_keep_mask"]
 
 # the reduction groups parallelize hands the router: a process group (None on one process)
 ReductionGroup = Optional["torch.distributed.ProcessGroup"]
@@ -80,13 +81,6 @@ def _sum_over(t: Tensor, group: ReductionGroup) -> Tensor:
 
     out = funcol.all_reduce(t, "sum", group)
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs (e.g. activation-checkpoint recomputation of the forward): state that
-    counts forwards (expert-bias demand, routing statistics) must not count such a re-run again."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
 
 
 def group_limited_topk(choice_TE: Tensor, k: int, num_groups: int, group_topk: int) -> Tensor:

@@ -24,9 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_moe.models.transformer import Attention, MoETransformer
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.layout import AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE
 
-AC_MODES = ("none", "full")
-DISPATCHERS = ("alltoall", "allgather")
 
 
 def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
@@ -43,7 +42,7 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
 
     cfg = model.config
     # ParallelDims.validate rejects MLA and qk_norm="full" with tp > 1 with the fix; here they are invariants
-    assert cfg.attention == "gqa" and cfg.qk_norm != "full", "layout not validated by ParallelDims"
+    assert cfg.attention != "mla" and cfg.qk_norm != "full", "layout not validated by ParallelDims"
     parallelize_module(
         model,
         tp_mesh,
@@ -61,10 +60,6 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
                 input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
                 use_local_output=True,
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
         }
         if block.is_moe:
@@ -76,14 +71,16 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
             if block.moe.shared_experts is not None:
                 sync.append(block.moe.shared_experts)
         else:
-            plan.update({
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            })
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+        # the split modules: parallel.layout's tables (plan counts per-GPU bytes from the same tables)
+        for name in TP_COLWISE:
+            if name.startswith("attention.") or not block.is_moe:
+                plan[name] = ColwiseParallel()
+        for name in TP_ROWWISE:
+            if name.startswith("attention.") or not block.is_moe:
+                plan[name] = RowwiseParallel(output_layouts=Shard(1))
         parallelize_module(block, tp_mesh, plan)
         attn = block.attention
         if isinstance(attn, Attention) and attn.qk_norm == "head":

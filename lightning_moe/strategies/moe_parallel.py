@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping, Optional, U
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -370,7 +371,7 @@ class MoEParallelStrategy(ParallelStrategy):
         """The optimizer state by parameter name (``{"state": {name: ...}, "param_groups": [...]}``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the torch optimizer
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         assert self.model is not None
         opts = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
         return get_optimizer_state_dict(self.model, inner, options=opts)
@@ -422,7 +423,7 @@ class MoEParallelStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         if path.is_dir():
             import torch.distributed.checkpoint as dcp
 
