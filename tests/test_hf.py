@@ -28,7 +28,7 @@ from lightning_moe.models.hf import (
 )
 from lightning_moe.models.transformer import MoETransformer
 
-V = 96
+V = 97
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707, "rope_theta": 5000.0}
 
@@ -39,7 +39,7 @@ FAMILIES = {
     "qwen3_moe": dict(
         model_type="qwen3_moe", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, num_experts=8,
-        num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=64,
+        num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True, max_position_embeddings=128,
         rope_parameters=dict(_YARN, mscale_all_dim=None, mscale=None), rms_norm_eps=1e-5,
     ),
     # tied embeddings, top-k over logits then softmax, default theta 1e6
@@ -131,7 +131,7 @@ def test_import_logits_match_transformers(name, tmp_path):
 
 def test_import_config_fields():
     q = config_from_hf(load_hf_config_dict("qwen3_moe"))
-    assert q.head_dim == 16 and q.qk_norm == "head" and q.norm_eps == 1e-5 and q.max_seq_len == 64
+    assert q.head_dim == 16 and q.qk_norm == "head" and q.norm_eps == 1e-5 and q.max_seq_len == 128
     assert [q.is_moe_layer(i) for i in range(3)] == [True, False, True]
     assert q.moe.norm_topk_prob and q.moe.pre_softmax and q.rope_theta == 5000.0 and q.rope_scaling is not None
     m = config_from_hf(load_hf_config_dict("mixtral"))
@@ -351,13 +351,13 @@ def test_export_refuses_what_the_family_cannot_express(tmp_path):
 # ---- 2 ranks, ep=2 --------------------------------------------------------------------------------------------------
 
 
-def _ep_worker(rank: int, world_size: int, path: str, out: str) -> dict:
+def _ep_worker(rank: int, world_size: int, path: str, out: str, model_type: str, sizes: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lightning_moe.parallel import ParallelDims, parallelize
 
     cfg = config_from_hf(load_hf_config(path))
-    dims = ParallelDims(world_size=world_size, ep=2).build_meshes("cpu")
+    dims = ParallelDims(world_size=world_size, **sizes).build_meshes("cpu")
     with torch.device("meta"):
         model = MoETransformer(cfg)
     parallelize(model, dims)
@@ -367,10 +367,10 @@ def _ep_worker(rank: int, world_size: int, path: str, out: str) -> dict:
     # every local shard equals the matching box of the one-process import
     ref = from_hf(path)
     ref_sd = ref.state_dict()
-    n_dtensors = 0
+    placements = set()
     for name, t in model.state_dict().items():
         if isinstance(t, DTensor):
-            n_dtensors += 1
+            placements.add(tuple(map(str, t.placements)))
             t = t.full_tensor()
         torch.testing.assert_close(t, ref_sd[name], rtol=0, atol=0, msg=name)
     ids = _ids()
@@ -384,14 +384,14 @@ def _ep_worker(rank: int, world_size: int, path: str, out: str) -> dict:
             if ".experts." in k:
                 expert_total += 4 * torch.Size(r.shape(k)).numel()
     expert_read = sum(n for k, n in res.bytes_by_key.items() if ".experts." in k)
-    save_hf(model, out, model_type="deepseek_v3")  # DTensors gathered; rank 0 writes
+    save_hf(model, out, model_type=model_type)  # DTensors gathered; rank 0 writes
     return dict(expert_read=expert_read, expert_total=expert_total, total_read=res.bytes_read,
-                n_dtensors=n_dtensors, logits=logits, ref_logits=ref_logits,
-                ep_local=tuple(model.layers["1"].moe.experts.w1.to_local().shape))
+                placements=placements, logits=logits, ref_logits=ref_logits,
+                ep_local=tuple(model.moe_layers()[0].experts.w1.to_local().shape))
 
 
-def _ep_rank_reads(rank: int, world_size: int, path: str, out: str) -> dict:
-    result = _ep_worker(rank, world_size, path, out)
+def _ep_rank_reads(rank: int, world_size: int, path: str, out: str, model_type: str, sizes: dict) -> dict:
+    result = _ep_worker(rank, world_size, path, out, model_type, sizes)
     import torch.distributed as dist
 
     gathered = [None] * world_size
@@ -400,12 +400,21 @@ def _ep_rank_reads(rank: int, world_size: int, path: str, out: str) -> dict:
     return result
 
 
-def test_ep2_import_reads_only_local_experts(tmp_path):
-    hf = _hf_model("deepseek_v3")
+@pytest.mark.parametrize("name, sizes, placements", [
+    # ep=2 folded over dp_shard=2: experts Shard(0) over ep, everything else FSDP Shard(0)
+    ("deepseek_v3", dict(ep=2), {("S(0)",)}),
+    # ep=2 folded over tp=2: attention / dense MLP / shared linears Shard(0) or Shard(1) over tp
+    ("qwen3_moe", dict(tp=2, ep=2), {("S(0)",), ("S(1)",), ("R",)}),
+])
+def test_ep2_import_reads_only_local_experts(name, sizes, placements, tmp_path):
+    """2 gloo ranks: each rank's shards equal the one-process import, logits match transformers, each rank reads
+    about half of the expert bytes, and the export gathered from the shards loads in transformers."""
+    hf = _hf_model(name)
     hf.save_pretrained(tmp_path / "hf")
     out = str(tmp_path / "export")
-    res = run_distributed(_ep_rank_reads, 2, str(tmp_path / "hf"), out)
-    assert res["ep_local"] == (4, 16, 32) and res["n_dtensors"] > 0
+    res = run_distributed(_ep_rank_reads, 2, str(tmp_path / "hf"), out, FAMILIES[name]["model_type"], sizes)
+    assert res["ep_local"] == (FAMILIES[name].get("n_routed_experts", FAMILIES[name].get("num_experts")) // 2, 16, 32)
+    assert placements <= res["placements"], res["placements"]
     _close(res["logits"], res["ref_logits"])
     with torch.no_grad():
         _close(res["logits"], hf(_ids()).logits)
@@ -431,3 +440,24 @@ def test_safetensors_files_are_what_transformers_writes(tmp_path):
             with safe_open(str(tmp_path / d / "model.safetensors"), "pt") as f:
                 keys[d] = set(f.keys())
         assert keys[mt] == keys[mt + "_hf"]
+
+
+# ---- moe.dense_layers (the config field Qwen3-MoE's mlp_only_layers / decoder_sparse_step map to) -------------------
+
+
+def test_dense_layers_config():
+    base = ModelConfig.from_preset("tiny")
+    assert base.moe.dense_layers is None
+    cfg = ModelConfig.from_preset("tiny", num_layers=5, moe={"first_k_dense": 1, "dense_layers": [3]})
+    assert [cfg.is_moe_layer(i) for i in range(5)] == [False, True, True, False, True]
+    assert cfg.num_moe_layers == 3
+    model = MoETransformer(cfg)
+    assert [blk.is_moe for blk in model.layers.values()] == [False, True, True, False, True]
+    assert sum(p.numel() for p in model.parameters()) == cfg.count_params()["total"]
+    # a preset's parameter count does not change with dense_layers=None / []
+    d = ModelConfig.from_preset("deepseek_v3")
+    assert d.count_params() == ModelConfig.from_preset("deepseek_v3", moe={"dense_layers": []}).count_params()
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    for bad, match in [([5], "past num_layers"), ([-1], "non-negative"), ([2, 2], "repeated")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_preset("tiny", num_layers=5, moe={"dense_layers": bad})
