@@ -522,9 +522,10 @@ class HFCheckpointReader(_Source):
 
     def __init__(self, path: Union[str, os.PathLike]) -> None:
         try:
-            import safetensors  # noqa: F401
+            import safetensors
         except ImportError as e:  # pragma: no cover - safetensors is a dependency of the hf extra
             raise ImportError("reading Hugging Face weights needs safetensors: pip install 'lightning_moe[hf]'") from e
+        del safetensors
         self.path = os.fspath(path)
         self.bytes_read = 0
         self.bytes_by_key = {}
@@ -686,6 +687,9 @@ def _mla_kv_perm(kv_lora_rank: int, rope: int) -> tuple[int, ...]:
     return tuple(range(kv_lora_rank)) + tuple(kv_lora_rank + j for j in _interleave_perm(rope))
 
 
+_MLP_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
 @dataclass
 class _Family:
     model_type: str
@@ -718,9 +722,7 @@ def _plan(cfg: ModelConfig, fam: _Family, our_keys: Iterable[str], available: Op
         "wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
         "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj",
     }
-    per_expert = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-    if mt == "mixtral":
-        per_expert = {"w1": "w1", "w3": "w3", "w2": "w2"}
+    per_expert = {"w1": "w1", "w3": "w3", "w2": "w2"} if mt == "mixtral" else _MLP_NAMES
 
     def moe_prefix(i: int) -> str:
         if mt == "mixtral":
@@ -759,8 +761,8 @@ def _plan(cfg: ModelConfig, fam: _Family, our_keys: Iterable[str], available: Op
         f = re.fullmatch(r"feed_forward\.(w[123])\.weight", rest)
         if f:
             Fd = cfg.dense_hidden_size
-            plan[key] = _Direct(L + f"mlp.{ {'w1': 'gate_proj', 'w3': 'up_proj', 'w2': 'down_proj'}[f.group(1)] }.weight",
-                                (D, Fd) if f.group(1) == "w2" else (Fd, D))
+            w = f.group(1)
+            plan[key] = _Direct(L + f"mlp.{_MLP_NAMES[w]}.weight", (D, Fd) if w == "w2" else (Fd, D))
             continue
         P = moe_prefix(i)
         if rest == "moe.router.weight":
@@ -784,8 +786,8 @@ def _plan(cfg: ModelConfig, fam: _Family, our_keys: Iterable[str], available: Op
         s = re.fullmatch(r"moe\.shared_experts\.(w[123])\.weight", rest)
         if s:
             S = m.shared_expert_hidden_size
-            plan[key] = _Direct(L + f"mlp.shared_experts.{ {'w1': 'gate_proj', 'w3': 'up_proj', 'w2': 'down_proj'}[s.group(1)] }.weight",
-                                (D, S) if s.group(1) == "w2" else (S, D))
+            w = s.group(1)
+            plan[key] = _Direct(L + f"mlp.shared_experts.{_MLP_NAMES[w]}.weight", (D, S) if w == "w2" else (S, D))
             continue
         raise ValueError(f"no Hugging Face {mt} equivalent for our tensor {key!r}")
     return plan
@@ -882,10 +884,11 @@ def _config_differences(ours: ModelConfig, want: ModelConfig) -> list[str]:
             diffs.append(f"moe.expert_bias: model {a.expert_bias!r} vs checkpoint {b.expert_bias!r}")
     elif a.num_experts != 0:
         diffs.append(f"moe.num_experts: model {a.num_experts} vs checkpoint 0")
-    lo, lw = [ours.is_moe_layer(i) for i in range(ours.num_layers)], [want.is_moe_layer(i) for i in range(want.num_layers)]
+    lo = [i for i in range(ours.num_layers) if ours.is_moe_layer(i)]
+    lw = [i for i in range(want.num_layers) if want.is_moe_layer(i)]
     if lo != lw:
-        diffs.append(f"MoE layers: model {[i for i, x in enumerate(lo) if x]} vs checkpoint {[i for i, x in enumerate(lw) if x]}")
-    if any(not x for x in lw) and ours.dense_hidden_size != want.dense_hidden_size:
+        diffs.append(f"MoE layers: model {lo} vs checkpoint {lw}")
+    if len(lw) < want.num_layers and ours.dense_hidden_size != want.dense_hidden_size:
         diffs.append(f"dense_hidden_size: model {ours.dense_hidden_size} vs checkpoint {want.dense_hidden_size}")
     return diffs
 
@@ -920,25 +923,26 @@ def _load_from_source(model: nn.Module, src: _Source, hf_config: Mapping[str, An
         diffs = _config_differences(cfg, want)
         if diffs:
             raise ValueError("the model's config does not match the checkpoint's config.json: " + "; ".join(diffs)
-                             + " (build the model from config_from_hf(load_hf_config(path)), or pass check_config=False)")
+                             + " (build the model from config_from_hf(load_hf_config(path)), or pass "
+                             "check_config=False)")
     tensors = _model_tensors(model)
     src_keys = set(src.keys())
     result = HFLoadResult()
 
     # MTP modules (DeepSeek-V3's layer num_hidden_layers..) and a tied lm_head copy are not ours to load
     used: set[str] = set()
-    for k in src_keys:
+    mtp: set[int] = set()
+    for k in sorted(src_keys):
         mm = re.match(r"model\.layers\.(\d+)\.", k)
         if mm and int(mm.group(1)) >= cfg.num_layers:
             result.skipped.append(k)
+            mtp.add(int(mm.group(1)))
         elif k == "lm_head.weight" and cfg.tie_embeddings:
             result.skipped.append(k)
     if result.skipped:
-        mtp = sorted({int(re.match(r"model\.layers\.(\d+)\.", k).group(1)) for k in result.skipped  # type: ignore[union-attr]
-                      if k.startswith("model.layers.")})
         if mtp:
             log.info("Hugging Face import: skipping layers %s (multi-token-prediction modules past num_layers=%d)",
-                     mtp, cfg.num_layers)
+                     sorted(mtp), cfg.num_layers)
         if "lm_head.weight" in result.skipped:
             log.info("Hugging Face import: skipping lm_head.weight (tie_embeddings: the output reuses the embedding)")
     used.update(result.skipped)
