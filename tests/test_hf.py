@@ -18,6 +18,7 @@ from _dist import run_distributed
 from lightning_moe.config import ModelConfig, MoEConfig, YaRNScaling
 from lightning_moe.models.hf import (
     HFCheckpointReader,
+    _config_differences,
     config_from_hf,
     config_to_hf,
     from_hf,
@@ -324,8 +325,10 @@ def test_export_loads_in_transformers_with_same_logits(model_type, tmp_path):
     ids = _ids()
     with torch.no_grad():
         _close(hf.eval()(ids).logits, model.eval()(ids))
-    # and back: the same tensors
+    # and back: the same tensors, a config that computes the same
     back = from_hf(out)
+    assert not _config_differences(back.config, cfg)
+    assert back.config.rope_scaling == cfg.rope_scaling and back.config.rope_theta == cfg.rope_theta
     for k, v in model.state_dict().items():
         torch.testing.assert_close(back.state_dict()[k], v, rtol=0, atol=0)
 

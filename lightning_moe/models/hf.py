@@ -210,8 +210,9 @@ def _rope_from_hf(hf: _HF, max_pos: int) -> tuple[float, Optional[YaRNScaling]]:
         af = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mad))
     else:
         af = _yarn_mscale(factor, 1.0)
-    if mscale and mad and params.get("attention_factor") is None:
-        m = float(mscale)
+    if mscale is not None and math.isclose(_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, a), af,
+                                           rel_tol=1e-12, abs_tol=0.0):
+        m = float(mscale)  # the given mscale already gives transformers' factor (always when mscale and mad are set)
     elif factor <= 1:
         if abs(af - 1.0) > 1e-12:
             raise _bad(f"{name}.attention_factor", af, "cannot be represented with factor <= 1")
