@@ -1055,15 +1055,20 @@ def _full(t: Tensor) -> Tensor:
     return t
 
 
-def to_hf_state_dict(state_dict: Mapping[str, Tensor], cfg: ModelConfig, model_type: str) -> dict[str, Tensor]:
-    """Our (full, not sharded) state dict as the Hugging Face tensors of a ``model_type`` checkpoint on disk
-    (per-expert keys; DeepSeek-V3 rope rows interleaved). Tensors are fresh copies."""
+def to_hf_state_dict(state_dict: Mapping[str, Tensor], cfg: ModelConfig, model_type: str, *, keep: bool = True
+                     ) -> dict[str, Tensor]:
+    """Our state dict as the Hugging Face tensors of a ``model_type`` checkpoint on disk (per-expert keys;
+    DeepSeek-V3 rope rows interleaved). Tensors are fresh copies. DTensors are gathered one at a time (a collective:
+    every rank calls this); ``keep=False`` drops each gathered tensor at once (ranks that do not write)."""
     sd = {_clean(k): v for k, v in state_dict.items()}
     fam = _Family(model_type, rope_interleave=(model_type == "deepseek_v3"))
     plan = _plan(cfg, fam, sd.keys(), None)
     out: dict[str, Tensor] = {}
     for ours, r in plan.items():
         t = _full(sd[ours]).detach()
+        if not keep:
+            del t
+            continue
         if isinstance(r, _Stack):
             for j, k in enumerate(r.keys_):
                 out[k] = t[j].clone().contiguous()
@@ -1074,7 +1079,7 @@ def to_hf_state_dict(state_dict: Mapping[str, Tensor], cfg: ModelConfig, model_t
                 inv[torch.tensor(r.perm, dtype=torch.long)] = torch.arange(len(r.perm))
                 t = t[inv]
             out[r.key] = t.clone().contiguous()
-    if model_type == "deepseek_v3" and not cfg.moe.expert_bias:
+    if keep and model_type == "deepseek_v3" and not cfg.moe.expert_bias:
         # transformers' router always has the correction bias; ours is off: zero computes the same choice
         for i in range(cfg.num_layers):
             if cfg.is_moe_layer(i):
@@ -1111,9 +1116,8 @@ def save_hf(state_dict_or_model: Union[nn.Module, Mapping[str, Tensor]], out_dir
     hf_cfg.update(extra_config or {})
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    tensors = to_hf_state_dict(sd, cfg, model_type)  # gathers DTensors (collective)
+    tensors = to_hf_state_dict(sd, cfg, model_type, keep=rank == 0)  # gathers DTensors (collective)
     if rank != 0:
-        tensors.clear()
         if distributed:
             dist.barrier()
         return None
