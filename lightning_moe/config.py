@@ -68,6 +68,8 @@ class MoEConfig:
     shared_expert_hidden_size: hidden size of the (fused) shared experts; 0 = none.
     shared_expert_gate: sigmoid gate on the shared expert output (Qwen2-MoE style).
     first_k_dense: the first k decoder layers use a dense MLP of ModelConfig.dense_hidden_size.
+    dense_layers: further decoder layers (indices) that use a dense MLP instead of routed experts, in addition to
+        the first ``first_k_dense`` (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); None = none.
     force_balance: benchmark mode: ignore the router's choice and assign tokens round-robin.
     router / experts / shared_experts: registered component names (``lightning_moe.models.registry``).
     """
@@ -92,6 +94,7 @@ class MoEConfig:
     shared_expert_hidden_size: int = 0
     shared_expert_gate: bool = False
     first_k_dense: int = 0
+    dense_layers: Optional[list[int]] = None
     force_balance: bool = False
     router: str = "topk"
     experts: str = "grouped_mm"
@@ -161,6 +164,12 @@ class MoEConfig:
             raise ValueError("moe.shared_expert_gate needs shared_expert_hidden_size > 0")
         if self.first_k_dense < 0:
             raise ValueError("moe.first_k_dense must be >= 0")
+        if self.dense_layers is not None:
+            layers = list(self.dense_layers)
+            if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
+                raise ValueError(f"moe.dense_layers must be non-negative layer indices, got {self.dense_layers}")
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"moe.dense_layers has repeated layer indices: {self.dense_layers}")
 
 
 @dataclass
@@ -228,13 +237,20 @@ class ModelConfig:
             raise ValueError(
                 f"moe.first_k_dense={self.moe.first_k_dense} exceeds num_layers={self.num_layers}"
             )
-        needs_dense = self.moe.num_experts == 0 or self.moe.first_k_dense > 0
+        if self.moe.dense_layers and max(self.moe.dense_layers) >= self.num_layers:
+            raise ValueError(
+                f"moe.dense_layers={self.moe.dense_layers} names layers past num_layers={self.num_layers} "
+                f"(indices are 0-based)"
+            )
+        needs_dense = self.moe.num_experts == 0 or self.moe.first_k_dense > 0 or bool(self.moe.dense_layers)
         if needs_dense and self.dense_hidden_size <= 0:
             raise ValueError("dense_hidden_size must be positive when some layers are dense")
 
     # ---- derived -------------------------------------------------------------------------------
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return self.moe.num_experts > 0 and layer_idx >= self.moe.first_k_dense
+        if self.moe.num_experts == 0 or layer_idx < self.moe.first_k_dense:
+            return False
+        return not self.moe.dense_layers or layer_idx not in self.moe.dense_layers
 
     @property
     def num_moe_layers(self) -> int:
