@@ -97,11 +97,15 @@ class MoELanguageModel(L.LightningModule):
         model_transforms: callables ``fn(model) -> model | None`` applied to the meta-device model before
             parallelisation (see :mod:`lightning_moe.build`); callbacks that define ``transform_model`` are
             applied too.
+        pretrained: a local Hugging Face folder (config.json + safetensors) to start from: the model config comes
+            from it (``config`` may be left out, or must describe the same model) and its weights replace the
+            initialisation; under MoEParallelStrategy each rank reads only the slices it holds.
+            ``MoELanguageModel.from_pretrained(path, **kwargs)`` is the same.
     """
 
     def __init__(
         self,
-        config: Union[ModelConfig, str, dict] = "tiny",
+        config: Union[ModelConfig, str, dict, None] = None,
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 100,
@@ -112,9 +116,18 @@ class MoELanguageModel(L.LightningModule):
         fused: Optional[bool] = None,
         skip_empty_steps: bool = False,
         model_transforms: Optional[Sequence[Callable[[nn.Module], Optional[nn.Module]]]] = None,
+        pretrained: Optional[str] = None,
     ) -> None:
         super().__init__()
-        self.config = _resolve_config(config)
+        self.hf_model_type: Optional[str] = None
+        if pretrained is not None:
+            from lightning_moe.models.hf import config_from_hf, load_hf_config
+
+            hf = load_hf_config(pretrained)
+            self.hf_model_type = hf.get("model_type")
+            if config is None:
+                config = config_from_hf(hf)
+        self.config = _resolve_config("tiny" if config is None else config)
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
         if not 0 <= min_lr_ratio <= 1:
@@ -125,8 +138,9 @@ class MoELanguageModel(L.LightningModule):
         self.save_hyperparameters(
             {"config": self.config.to_dict(), "lr": lr, "min_lr_ratio": min_lr_ratio, "warmup_steps": warmup_steps,
              "max_steps": max_steps, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused,
-             "skip_empty_steps": skip_empty_steps}
+             "skip_empty_steps": skip_empty_steps, "pretrained": pretrained}
         )
+        self.pretrained = pretrained
         self.skip_empty_steps = skip_empty_steps
         self.model_transforms = list(model_transforms or [])
         self.model: Optional[MoETransformer] = None
@@ -175,7 +189,14 @@ class MoELanguageModel(L.LightningModule):
         )
 
     def _initialize(self, model: MoETransformer) -> None:
-        """Seeded init, the same weights whatever the layout."""
+        """Weights from ``pretrained`` (each rank reads its own slices), else the seeded init, the same weights
+        whatever the layout."""
+        if self.pretrained is not None:
+            from lightning_moe.models.hf import load_hf_weights_
+
+            result = load_hf_weights_(model, self.pretrained)
+            rank_zero_info(f"loaded {self.pretrained} ({result.bytes_read / 2**20:.1f} MiB read on rank 0)")
+            return
         strategy = self._strategy
         if strategy is not None and strategy.world_size > 1:
             # one initialisation for the whole world: replicated plain tensors (e.g. the router under tp without
@@ -192,6 +213,26 @@ class MoELanguageModel(L.LightningModule):
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         assert self.model is not None, "call configure_model() first (the Trainer does)"
         return self.model(input_ids, attention_mask)
+
+    # ---- Hugging Face ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> "MoELanguageModel":
+        """A module that starts from the Hugging Face folder ``path`` (families qwen3_moe, mixtral, deepseek_v3,
+        olmoe): ``MoELanguageModel(pretrained=path, **kwargs)``. The weights are read when the model is built
+        (``configure_model``, which the Trainer calls), by every rank for its own shards."""
+        return cls(pretrained=path, **kwargs)
+
+    def save_pretrained(self, out_dir: str, *, model_type: Optional[str] = None, **kwargs: Any) -> None:
+        """Write a Hugging Face folder (config.json + sharded safetensors) that ``transformers`` loads. Collective
+        under a distributed strategy (every rank calls it; rank 0 writes). ``model_type``: the family to write
+        (default: the one imported from, else inferred from the config)."""
+        from lightning_moe.models.hf import save_hf
+
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        save_hf(self.model, out_dir, self.config,
+                model_type=model_type or self.hf_model_type or infer_model_type(self.config), **kwargs)
 
     # ---- loss -------------------------------------------------------------------------------------------
     def _reduce_sum(self, t: Tensor) -> Tensor:
@@ -368,6 +409,17 @@ class MoELanguageModel(L.LightningModule):
             optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.trainer.optimizers]
             checkpoint["optimizer_states"] = [optimizer_state_by_name(osd, opt, self)
                                               for osd, opt in zip(states, optimizers)]
+
+
+def infer_model_type(config: ModelConfig) -> str:
+    """The Hugging Face family whose architecture matches ``config`` (qwen3_moe when several do)."""
+    if config.attention == "mla":
+        return "deepseek_v3"
+    if config.qk_norm == "full":
+        return "olmoe"
+    if config.qk_norm == "none" and config.moe.score_func == "softmax" and not config.moe.pre_softmax:
+        return "mixtral"
+    return "qwen3_moe"
 
 
 def _check_strategy(strategy: Optional[Strategy]) -> None:

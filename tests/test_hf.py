@@ -464,3 +464,43 @@ def test_dense_layers_config():
     for bad, match in [([5], "past num_layers"), ([-1], "non-negative"), ([2, 2], "repeated")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_preset("tiny", num_layers=5, moe={"dense_layers": bad})
+
+
+# ---- the LightningModule: from_pretrained / pretrained= / save_pretrained ----------------------------------------------
+
+
+def test_module_from_pretrained_fine_tunes_and_saves(tmp_path):
+    """MoELanguageModel.from_pretrained builds through the pipeline with the folder's weights (logits equal
+    transformers'), fine-tunes under a Trainer, and save_pretrained writes a folder transformers loads."""
+    import lightning as L
+
+    from lightning_moe import MoELanguageModel
+
+    hf = _hf_model("qwen3_moe")
+    path = _save(hf, tmp_path / "src", "qwen3_moe")
+    module = MoELanguageModel.from_pretrained(path, lr=1e-3, warmup_steps=0)
+    assert module.hparams.pretrained == path and module.config.moe.num_experts == hf.config.num_experts
+    module.configure_model()
+    ids = _ids()
+    with torch.no_grad():
+        _close(module(ids), hf(ids).logits)
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader([{"input_ids": r} for r in _ids(seed=3, B=4)], batch_size=2)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0)
+    trainer.fit(module, Data())
+    out = tmp_path / "out"
+    module.save_pretrained(str(out))
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        tuned = module(ids)
+        _close(tuned, back(ids).logits)
+        assert (tuned - hf(ids).logits).abs().max() > 1e-4, "fine-tuning changed nothing"
+    # a config that contradicts the folder is refused, naming the field
+    with pytest.raises(ValueError, match="num_layers"):
+        bad = MoELanguageModel(config=dict(module.config.to_dict(), num_layers=1), pretrained=path)
+        bad.configure_model()

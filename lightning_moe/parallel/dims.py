@@ -251,7 +251,7 @@ class ParallelDims:
                     f"tp={tp} does not divide hidden_size={D}: choose tp in "
                     f"{_fmt_set(_divisors(math.gcd(D, self._replica)))}"
                 )
-            has_dense_mlp = E == 0 or moe.first_k_dense > 0
+            has_dense_mlp = any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
             if has_dense_mlp and cfg.dense_hidden_size % tp != 0:
                 FD = cfg.dense_hidden_size
                 raise ValueError(
