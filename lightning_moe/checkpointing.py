@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["param_names", "is_by_name", "optimizer_state_by_name", "optimizer_state_by_index", "regroup",
+__all__ = ["check_shapes", "param_names", "is_by_name", "optimizer_state_by_name", "optimizer_state_by_index", "regroup",
            "accept_state_by_name"]
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -101,3 +101,23 @@ def accept_state_by_name(optimizer: Optimizer, module: nn.Module) -> None:
         return optimizer_state_by_index(state_dict, opt, module)
 
     optimizer.register_load_state_dict_pre_hook(hook)
+
+
+def check_shapes(model: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], where: str,
+                 strict: bool = True) -> None:
+    """ValueError naming every parameter whose global shape differs between the model and a checkpoint (and, when
+    ``strict``, the names only one of them has): a checkpoint of another model must fail before any step."""
+    wrong = [f"{k}: checkpoint {list(saved[k])} vs model {list(v)}" for k, v in model.items()
+             if k in saved and tuple(saved[k]) != tuple(v)]
+    missing = sorted(set(model) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(model)) if strict else []
+    if wrong or missing or unexpected:
+        parts = []
+        if wrong:
+            parts.append(f"{len(wrong)} shapes differ: " + "; ".join(wrong[:8]))
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:8]}")
+        if unexpected:
+            parts.append(f"not in the model: {unexpected[:8]}")
+        raise ValueError(f"the checkpoint {where} was written for another model ({' | '.join(parts)}): resume "
+                         "with the model configuration it was saved with")

@@ -402,6 +402,16 @@ class MoELanguageModel(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of another model fails here, naming the parameters and shapes (Lightning's single-device
+        loader; MoEParallelStrategy checks in its own load_checkpoint)."""
+        sd = checkpoint.get("state_dict")
+        if sd is not None and self.model is not None:
+            from lightning_moe.checkpointing import check_shapes
+
+            check_shapes({k: tuple(v.shape) for k, v in self.state_dict().items()},
+                         {k: tuple(v.shape) for k, v in sd.items()}, "being loaded", strict=self.strict_loading)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer states by parameter name, whatever the strategy (so they load under any layout)."""
         states = checkpoint.get("optimizer_states")

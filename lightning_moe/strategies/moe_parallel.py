@@ -37,7 +37,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_moe.checkpointing import is_by_name, regroup
+from lightning_moe.checkpoint_io import SafeCheckpointIO, verify_dir_checksums, write_dir_checksums
+from lightning_moe.checkpointing import check_shapes, is_by_name, regroup
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.finalize import StepResult, finalize_module_step, finalizing_closure
 from lightning_moe.parallel.parallelize import AC_MODES, DISPATCHERS, parallelize
@@ -98,6 +99,7 @@ class MoEParallelStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         **strategy_kwargs: Any,  # accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin
     ) -> None:
+        strategy_kwargs.setdefault("checkpoint_io", SafeCheckpointIO())
         super().__init__(**strategy_kwargs)
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
@@ -391,21 +393,44 @@ class MoEParallelStrategy(ParallelStrategy):
                 self.checkpoint_io.save_checkpoint(checkpoint, path)
             self.barrier()
             return
+        import shutil
+
         import torch.distributed.checkpoint as dcp
 
         if path.is_file():
             raise FileExistsError(f"{path} is a file; a distributed checkpoint is a directory: choose another path")
-        path.mkdir(parents=True, exist_ok=True)
+        # written under PATH.tmp and renamed into place: a failure or a kill during the save leaves the previous
+        # checkpoint at PATH complete
+        tmp = path.with_name(path.name + ".tmp")
+        if self.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp)
+        self.barrier()
         tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         groups = []
         for i, osd in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = {"state": osd["state"]}
             groups.append(osd["param_groups"])  # names and hyper-parameters: plain data, in the metadata file
         checkpoint["optimizer_param_groups"] = groups
-        dcp.save(tensors, checkpoint_id=str(path))
+        dcp.save(tensors, checkpoint_id=str(tmp))
         if self.is_global_zero:
-            torch.save(checkpoint, path / _META_FILE)
+            torch.save(checkpoint, tmp / _META_FILE)
         self.barrier()
+        write_dir_checksums(tmp, self.global_rank, self.world_size, self._all_gather_object)
+        if self.is_global_zero:
+            old = path.with_name(path.name + ".old")
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if old.exists():
+                shutil.rmtree(old)
+        self.barrier()
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -424,11 +449,19 @@ class MoEParallelStrategy(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint not found: {path}")
         if path.is_dir():
             import torch.distributed.checkpoint as dcp
 
+            verify_dir_checksums(path, self.global_rank, self.world_size, self._all_gather_object)
             meta = torch.load(path / _META_FILE, weights_only=True, map_location="cpu")
-            state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+            template = get_model_state_dict(self.model)
+            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            check_shapes({k: tuple(v.shape) for k, v in template.items()},
+                         {k.removeprefix("state_dict."): tuple(m.size) for k, m in saved.items()
+                          if k.startswith("state_dict.") and hasattr(m, "size")}, str(path), strict=strict)
+            state: dict[str, Any] = {"state_dict": template}
             for i, opt in enumerate(optimizers):
                 state[f"optimizer_{i}"] = {"state": get_optimizer_state_dict(self.model, opt)["state"]}
             if not optimizers:
@@ -441,7 +474,10 @@ class MoEParallelStrategy(ParallelStrategy):
                        "param_groups": regroup(saved_groups[i], opt, self.model)}
                 set_optimizer_state_dict(self.model, opt, osd)
             return meta
-        ckpt = torch.load(path, weights_only=True, map_location="cpu")
+        ckpt = self.checkpoint_io.load_checkpoint(path) if isinstance(self.checkpoint_io, SafeCheckpointIO) else (
+            torch.load(path, weights_only=True, map_location="cpu"))
+        check_shapes({k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()},
+                     {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()}, str(path), strict=strict)
         full = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.model, dict(ckpt.pop("state_dict")), options=full)  # a copy: set_* rewrites it
         for opt, osd in zip(optimizers, ckpt.pop("optimizer_states", [])):
