@@ -328,6 +328,7 @@ def test_load_distributed_and_full_checkpoints_of_an_ep2_run(tmp_path):
     assert model.layers["1"].moe.experts.w1.dtype == torch.bfloat16
     assert model.layers["1"].moe.router.weight.dtype == torch.float32
     assert torch.equal(model.layers["1"].moe.router.weight, ref["layers.1.moe.router.weight"])
+    assert generate(model, tokens((2, 5)), max_new_tokens=3).shape == (2, 8)  # bf16 decoding runs
 
 
 class _NotAllowed:

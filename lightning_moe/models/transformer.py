@@ -174,7 +174,7 @@ class KVCache:
         k_slot = torch.arange(end, device=device)[None, :]
         allowed_BSL = ((k_slot <= q_slot)[None] & self.valid_BL[:, None, :end]) | (k_slot == q_slot)[None]
         self._new = S
-        padding_mask = None if bool(real_BS.all()) else real_BS
+        padding_mask = None if attention_mask_BS is None or bool(real_BS.all()) else real_BS
         return positions_BS, allowed_BSL[:, None], padding_mask
 
     def update(self, layer_idx: int, *new_BS: Tensor) -> tuple[Tensor, ...]:
