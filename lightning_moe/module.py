@@ -234,6 +234,15 @@ class MoELanguageModel(L.LightningModule):
         save_hf(self.model, out_dir, self.config,
                 model_type=model_type or self.hf_model_type or infer_model_type(self.config), **kwargs)
 
+    def generate(self, prompt_or_ids: Any, max_new_tokens: int = 64, **kwargs: Any) -> Any:
+        """A string -> its continuation (byte tokenizer, stops at EOS); a list of strings -> their continuations;
+        token ids [B, S] or [S] -> prompt + continuation ids. Greedy by default (``temperature``, ``top_p``,
+        ``top_k`` sample); KV cache. See :func:`lightning_moe.generation.generate`. One process."""
+        from lightning_moe.generation import generate_any
+
+        assert self.model is not None, "call configure_model() first (the Trainer does)"
+        return generate_any(self.model, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
+
     # ---- loss -------------------------------------------------------------------------------------------
     def _reduce_sum(self, t: Tensor) -> Tensor:
         """Sum over the ranks that hold distinct tokens (the strategy's data-parallel and context-parallel
