@@ -18,6 +18,7 @@ Registered in Lightning's strategy registry: ``Trainer(strategy="moe_parallel")`
 
 from __future__ import annotations
 
+import atexit
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -204,6 +205,8 @@ class MoEParallelStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
+        if backend == "nccl":  # NCCL warns at exit about a process group that was never destroyed
+            atexit.register(_destroy_process_group)
 
     @property
     def device_mesh(self) -> "DeviceMesh":
@@ -487,6 +490,11 @@ class MoEParallelStrategy(ParallelStrategy):
             osd = {"state": dict(osd["state"]), "param_groups": regroup(osd["param_groups"], opt, self.model)}
             set_optimizer_state_dict(self.model, opt, osd, options=full)
         return ckpt
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _check_model_layout(config: Any, dims: ParallelDims) -> None:
