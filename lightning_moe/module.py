@@ -21,6 +21,7 @@ expert bias: they are refused at setup.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 import lightning as L
@@ -151,6 +152,8 @@ class MoELanguageModel(L.LightningModule):
         self.last_val_loss: Optional[float] = None
         self._val_sums: Optional[Tensor] = None
         self._last_step_time: Optional[float] = None
+        self._last_saved_step = -1  # global step of the last checkpoint saved in this process
+        self._restored_hparams: Optional[dict[str, Any]] = None  # of the checkpoint being resumed
 
     # ---- strategy ---------------------------------------------------------------------------------------
     @property
@@ -374,6 +377,44 @@ class MoELanguageModel(L.LightningModule):
         # already the global value on every rank; sync_dist only quiets Lightning's warning (one tiny all-reduce)
         self.log("val_loss", val_loss, prog_bar=True, sync_dist=True)
 
+    def on_train_start(self) -> None:
+        """After a resume: a learning rate given now (command line, config) replaces the checkpoint's base LR while
+        the schedule's position continues; say what came from where."""
+        restored, self._restored_hparams = self._restored_hparams, None
+        if not restored:
+            return
+        lr = self.hparams.lr
+        old_lr = restored.get("lr")
+        if old_lr is not None and old_lr != lr:
+            for cfg in self.trainer.lr_scheduler_configs:
+                sched = cfg.scheduler
+                sched.base_lrs = [lr for _ in sched.base_lrs]
+                for group, fn in zip(sched.optimizer.param_groups, getattr(sched, "lr_lambdas", [])):
+                    group["initial_lr"] = lr
+                    group["lr"] = lr * fn(sched.last_epoch)
+            rank_zero_info(f"resumed at step {self.global_step}: lr {lr} (given now) replaces the checkpoint's "
+                           f"{old_lr}; the schedule continues from its position")
+        same = sorted(k for k, v in restored.items() if k != "config" and self.hparams.get(k) == v)
+        rank_zero_info(f"resumed at step {self.global_step} from a checkpoint; optimizer moments, LR-schedule "
+                       f"position, step counters and expert bias come from it; hyper-parameters equal to the "
+                       f"checkpoint's: {', '.join(same) or 'none'}")
+
+    def on_train_end(self) -> None:
+        """With checkpointing on, the end of training always leaves a checkpoint of the final weights
+        (``last.ckpt`` in the ModelCheckpoint's folder, written now unless this step was just saved)."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        cb = self.trainer.checkpoint_callback
+        if not isinstance(cb, ModelCheckpoint) or cb.dirpath is None:
+            return
+        if self._last_saved_step != self.global_step:
+            path = os.path.join(cb.dirpath, "last" + cb.FILE_EXTENSION)
+            self.trainer.save_checkpoint(path)
+            rank_zero_info(f"final checkpoint (step {self.global_step}): {path}")
+        else:
+            rank_zero_info(f"final checkpoint (step {self.global_step}): in {cb.dirpath} "
+                           f"({os.path.basename(cb.last_model_path or cb.best_model_path)})")
+
     def on_fit_end(self) -> None:
         first, last = self.initial_val_loss, self.last_val_loss
         if first is not None and last is not None:
@@ -414,6 +455,7 @@ class MoELanguageModel(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint of another model fails here, naming the parameters and shapes (Lightning's single-device
         loader; MoEParallelStrategy checks in its own load_checkpoint)."""
+        self._restored_hparams = dict(checkpoint.get("hyper_parameters") or {})
         sd = checkpoint.get("state_dict")
         if sd is not None and self.model is not None:
             from lightning_moe.checkpointing import check_shapes
@@ -423,6 +465,7 @@ class MoELanguageModel(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Optimizer states by parameter name, whatever the strategy (so they load under any layout)."""
+        self._last_saved_step = self.global_step
         states = checkpoint.get("optimizer_states")
         if states and self._trainer is not None:
             optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.trainer.optimizers]

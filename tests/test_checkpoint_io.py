@@ -141,3 +141,40 @@ def test_single_device_checkpoint_of_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"router.weight: checkpoint \[8, 64\] vs model \[4, 64\]"):
         _trainer(1, "auto", 2).fit(narrow, datamodule=FixedData(GLOBAL_BATCH, GLOBAL_BATCH * 2), ckpt_path=str(path))
     assert narrow.global_step == 0
+
+
+def test_final_checkpoint_and_a_new_lr_on_resume(tmp_path):
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    def trainer(steps: int, *callbacks: Any) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                         use_distributed_sampler=False, default_root_dir=str(tmp_path),
+                         callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3,
+                                                    save_top_k=-1), *callbacks])
+
+    model = MoELanguageModel(small_config(), lr=1e-3, warmup_steps=0, max_steps=20)
+    trainer(5).fit(model, datamodule=FixedData(GLOBAL_BATCH, GLOBAL_BATCH * 5))
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.suffix == ".ckpt")
+    assert any("step=3" in f for f in files) and "last.ckpt" in files, files
+    last = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 5
+    five = tmp_path / "five.ckpt"
+    five.write_bytes((tmp_path / "ck" / "last.ckpt").read_bytes())
+
+    class LR(Callback):
+        lr = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if self.lr is None:  # the first step after the resume
+                self.lr = trainer.optimizers[0].param_groups[0]["lr"]
+
+    from lightning_moe.module import warmup_cosine
+
+    for new_lr, want_base in ((1e-3, 1e-3), (5e-5, 5e-5)):
+        rec = LR()
+        resumed = MoELanguageModel(small_config(), lr=new_lr, warmup_steps=0, max_steps=20)
+        trainer(8, rec).fit(resumed, datamodule=FixedData(GLOBAL_BATCH, GLOBAL_BATCH * 8),
+                            ckpt_path=str(five))
+        # the schedule's position (step 5 of 20) continues with the base LR given now
+        assert rec.lr == pytest.approx(want_base * warmup_cosine(5, 0, 20, 0.1)), (new_lr, rec.lr)
