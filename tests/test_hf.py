@@ -504,3 +504,40 @@ def test_module_from_pretrained_fine_tunes_and_saves(tmp_path):
     with pytest.raises(ValueError, match="num_layers"):
         bad = MoELanguageModel(config=dict(module.config.to_dict(), num_layers=1), pretrained=path)
         bad.configure_model()
+
+
+def test_export_command_from_a_distributed_checkpoint(tmp_path):
+    """`lightning-moe export CHECKPOINT OUT_DIR` turns a checkpoint of any layout (here an ep=2 distributed
+    checkpoint) into a folder transformers loads with the same logits."""
+    from _dist import run_distributed
+
+    from lightning_moe.export import export_main
+    from lightning_moe.generation import load_for_generation
+
+    ckpt = str(tmp_path / "ep2.ckpt")
+    run_distributed(_save_ep2_checkpoint, 2, ckpt)
+    out = tmp_path / "hf"
+    assert export_main([ckpt, str(out), "--max_shard_size", "200KB"]) == 0
+    assert (out / "model.safetensors.index.json").exists()
+    ours, _ = load_for_generation(ckpt)
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ids = _ids()
+    with torch.no_grad():
+        _close(ours(ids), back(ids).logits)
+    assert export_main([str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
+
+
+def _save_ep2_checkpoint(rank: int, world_size: int, path: str) -> None:
+    import lightning as L
+    from parallel_harness import GLOBAL_BATCH, FixedData, small_config
+
+    from lightning_moe import MoELanguageModel, MoEParallelStrategy
+
+    # a Qwen3-MoE-expressible config: softmax routing, no shared expert (the first layer dense)
+    cfg = small_config(score_func="softmax", expert_bias=False, shared_expert_hidden_size=0, aux_loss_type="aux")
+    model = MoELanguageModel(cfg, warmup_steps=0)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MoEParallelStrategy(ep=2), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(model, datamodule=FixedData(GLOBAL_BATCH // 2, GLOBAL_BATCH))
+    trainer.save_checkpoint(path)
