@@ -154,6 +154,7 @@ class MoELanguageModel(L.LightningModule):
         self._last_step_time: Optional[float] = None
         self._last_saved_step = -1  # global step of the last checkpoint saved in this process
         self._restored_hparams: Optional[dict[str, Any]] = None  # of the checkpoint being resumed
+        self._initial_state: Optional[dict[str, Tensor]] = None  # full weights to start from (upcycling)
 
     # ---- strategy ---------------------------------------------------------------------------------------
     @property
@@ -194,6 +195,13 @@ class MoELanguageModel(L.LightningModule):
     def _initialize(self, model: MoETransformer) -> None:
         """Weights from ``pretrained`` (each rank reads its own slices), else the seeded init, the same weights
         whatever the layout."""
+        if self._initial_state is not None:  # upcycled weights (full tensors): each rank keeps its shards
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(model, dict(self._initial_state), options=StateDictOptions(full_state_dict=True))
+            self._initial_state = None
+            model.layers.apply(lambda m: m.reset_parameters() if type(m).__name__ == "RotaryEmbedding" else None)
+            return
         if self.pretrained is not None:
             from lightning_moe.models.hf import load_hf_weights_
 
@@ -224,6 +232,33 @@ class MoELanguageModel(L.LightningModule):
         olmoe): ``MoELanguageModel(pretrained=path, **kwargs)``. The weights are read when the model is built
         (``configure_model``, which the Trainer calls), by every rank for its own shards."""
         return cls(pretrained=path, **kwargs)
+
+    @classmethod
+    def upcycle(cls, dense: Union["MoELanguageModel", str], moe: Any, granularity: int = 1,
+                **kwargs: Any) -> "MoELanguageModel":
+        """An MoE module upcycled from a dense one (Megatron's ``--moe-use-upcycling``): ``dense`` is a dense
+        ``MoELanguageModel`` or a checkpoint of one (a ``.ckpt`` file or a distributed checkpoint directory);
+        ``moe`` a :class:`~lightning_moe.MoEConfig` (or dict). Experts start as copies of the dense MLP (granularity
+        g > 1: g finer experts per copy), the router fresh, and the model's output at initialisation equals the
+        dense model's (see :mod:`lightning_moe.models.upcycle` for the rule). ``kwargs`` go to the module."""
+        from lightning_moe.config import MoEConfig
+        from lightning_moe.models.upcycle import upcycle_state_dict
+
+        if isinstance(dense, MoELanguageModel):
+            if dense.model is None:
+                dense.configure_model()
+            assert dense.model is not None
+            sd, dense_cfg = dense.model.state_dict(), dense.config
+        else:
+            from lightning_moe.generation import load_for_generation
+
+            model, dense_cfg = load_for_generation(dense)
+            sd = model.state_dict()
+        moe_cfg = MoEConfig(**moe) if isinstance(moe, dict) else moe
+        state, cfg = upcycle_state_dict(sd, dense_cfg, moe_cfg, granularity)
+        module = cls(config=cfg, **kwargs)
+        module._initial_state = state
+        return module
 
     def save_pretrained(self, out_dir: str, *, model_type: Optional[str] = None, **kwargs: Any) -> None:
         """Write a Hugging Face folder (config.json + sharded safetensors) that ``transformers`` loads. Collective

@@ -47,3 +47,33 @@ def test_upcycling_refuses_what_would_change_the_output(g, moe, match):
     dense = MoETransformer(DENSE)
     with pytest.raises(ValueError, match=match):
         upcycle_state_dict(dense.state_dict(), DENSE, moe, granularity=g)
+
+
+def test_module_upcycle_from_a_dense_module_and_checkpoint(tmp_path):
+    """MoELanguageModel.upcycle: from a dense module or its checkpoint, the MoE module's logits at init equal the
+    dense model's, and it trains."""
+    import lightning as L
+
+    from lightning_moe import MoEConfig, MoELanguageModel, ModelConfig
+
+    dense_cfg = ModelConfig.from_preset("tiny", num_layers=2, moe=dict(num_experts=0), dense_hidden_size=64)
+    torch.manual_seed(0)
+    dense = MoELanguageModel(dense_cfg)
+    dense.configure_model()
+    ids = torch.randint(0, 200, (2, 16))
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=32, aux_loss_coeff=0.0)
+    up = MoELanguageModel.upcycle(dense, moe, granularity=2, lr=1e-3, warmup_steps=0)
+    up.configure_model()
+    assert up.config.moe.num_experts == 4 and len(up.model.moe_layers()) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(up(ids), dense(ids), rtol=1e-4, atol=1e-4)
+    # from a checkpoint file of the dense model
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.strategy.connect(dense)
+    trainer.save_checkpoint(tmp_path / "dense.ckpt")
+    up2 = MoELanguageModel.upcycle(str(tmp_path / "dense.ckpt"), dict(num_experts=4, top_k=2, expert_hidden_size=64,
+                                                                     aux_loss_coeff=0.0), granularity=1)
+    up2.configure_model()
+    with torch.no_grad():
+        torch.testing.assert_close(up2(ids), dense(ids), rtol=1e-4, atol=1e-4)
