@@ -325,7 +325,7 @@ def test_bad_data_raises(tmp_path):
         setup([str(tmp_path / "missing_dir")])
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
-    with pytest.raises(ValueError, match="no .txt or .jsonl"):
+    with pytest.raises(ValueError, match="holds no .txt, .jsonl or .json"):
         setup([str(empty_dir)])
     with pytest.raises(ValueError, match="empty"):
         setup([_write(tmp_path / "empty.txt", "")])
