@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> None:
     if layout:
         sizes = {k: v for k, v in layout.items() if k != "dispatcher"}
         sizes.setdefault("dp_shard", -1)
-        dp = ParallelDims(world_size=world, **sizes).batch_size_world
+        dp = ParallelDims(world_size=world, **sizes).num_data_shards
         strategy = MoEParallelStrategy(**layout)
     else:
         dp, strategy = 1, "auto"

@@ -173,7 +173,7 @@ def _parse_scalar(text: Any) -> Any:
     return value
 
 
-def _model_config_from_value(value: Any, previous: Any, where: str = "model.config") -> dict[str, Any]:
+def _model_config_from_value(value: Any, previous: Any, where: str = "model.config") -> Optional[dict[str, Any]]:
     """The full, validated ModelConfig fields (a plain dict) for one value given to ``model.config``:
 
     - ``--model.config.<dotted key> V`` (a nested argument): the previous fields with that key replaced
@@ -187,7 +187,7 @@ def _model_config_from_value(value: Any, previous: Any, where: str = "model.conf
         if key == "preset":
             return resolve_model_config(str(raw), where).to_dict()
         fields = _dataclass_fields(previous)
-        if not isinstance(fields, dict):
+        if not isinstance(fields, dict):  # a preset name, or None: MoELanguageModel's default preset
             fields = resolve_model_config(previous if previous is not None else "tiny", where).to_dict()
         parts = key.split(".")
         overrides: dict[str, Any] = {}
@@ -198,6 +198,8 @@ def _model_config_from_value(value: Any, previous: Any, where: str = "model.conf
         # fields is complete and carries no preset key: the overrides apply to it, then everything is validated
         merged = _deep_update(fields, overrides, where)
         return resolve_model_config(merged, where).to_dict()
+    if value is None:
+        return None  # MoELanguageModel's default: the tiny preset, or the config of `pretrained`
     if isinstance(value, ModelConfig):
         return value.to_dict()
     if isinstance(value, str):
@@ -435,7 +437,7 @@ def _plan_settings_from_yaml(path: str) -> dict[str, Any]:
         doc = yaml.safe_load(f) or {}
     model = doc.get("model") or {}
     cfg_spec = model.get("config", "tiny") if isinstance(model, dict) else "tiny"
-    cfg = ModelConfig(**_model_config_from_value(cfg_spec, None))
+    cfg = ModelConfig(**_model_config_from_value(cfg_spec or "tiny", None))
     name = cfg_spec if isinstance(cfg_spec, str) else f"{path} (model.config)"
     trainer = doc.get("trainer") or {}
     devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)

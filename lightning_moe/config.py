@@ -34,6 +34,16 @@ class YaRNScaling:
             raise ValueError("rope_scaling.original_max_position_embeddings must be positive")
 
 
+def _check_components(*pairs: tuple[str, str], prefix: str = "") -> None:
+    from lightning_moe.models.registry import names  # lazily: the registry imports the model modules
+
+    for kind, name in pairs:
+        known = names(kind)
+        if name not in known:
+            raise ValueError(f"{prefix}{kind}={name!r} is not a registered {kind}; choose one of {known} or "
+                             "register your own with lightning_moe.models.registry.register")
+
+
 @dataclass
 class MoEConfig:
     """Routed-expert configuration; semantics follow Megatron-Core's moe_utils.
@@ -50,13 +60,20 @@ class MoEConfig:
     expert_bias: aux-loss-free balancing bias (fp32 buffer, used for the choice only); requires sigmoid.
     bias_update_rate: u in b_i += u * sign(mean(n) - n_i), once per optimizer step.
     aux_loss_type: "none" | "aux" (micro-batch) | "seq" (per sequence) | "global" (counts over dp ranks).
-    capacity_factor: None = dropless; else capacity = ceil(capacity_factor * T * k / E) per expert.
+        "aux" is computed per data-parallel rank on its own micro-batch (Megatron's definition), so its value, and
+        the gradient it gives, depend on how the global batch is split over data ranks; "seq" and "global" do not.
+    capacity_factor: None = dropless; else capacity = ceil(capacity_factor * T * k / E) per expert, T being the
+        tokens ONE rank routes (per rank, as in Megatron): which tokens are dropped depends on the layout (the
+        data-parallel split, tp and cp), so a capacity-limited run is not layout-invariant; dropless runs are.
     drop_policy: "probs" keeps the highest scores, "position" the earliest tokens.
     pad_to_capacity: pad every expert's buffer to the capacity (static shapes).
     shared_expert_hidden_size: hidden size of the (fused) shared experts; 0 = none.
     shared_expert_gate: sigmoid gate on the shared expert output (Qwen2-MoE style).
     first_k_dense: the first k decoder layers use a dense MLP of ModelConfig.dense_hidden_size.
+    dense_layers: further decoder layers (indices) that use a dense MLP instead of routed experts, in addition to
+        the first ``first_k_dense`` (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); None = none.
     force_balance: benchmark mode: ignore the router's choice and assign tokens round-robin.
+    router / experts / shared_experts: registered component names (``lightning_moe.models.registry``).
     """
 
     num_experts: int = 8
@@ -79,7 +96,11 @@ class MoEConfig:
     shared_expert_hidden_size: int = 0
     shared_expert_gate: bool = False
     first_k_dense: int = 0
+    dense_layers: Optional[list[int]] = None
     force_balance: bool = False
+    router: str = "topk"
+    experts: str = "grouped_mm"
+    shared_experts: str = "swiglu"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +109,8 @@ class MoEConfig:
         E, k = self.num_experts, self.top_k
         if E < 0:
             raise ValueError(f"moe.num_experts must be >= 0 (0 = dense model), got {E}")
+        _check_components(("router", self.router), ("experts", self.experts),
+                           ("shared_experts", self.shared_experts), prefix="moe.")
         if E == 0:
             return
         if k < 1:
@@ -143,6 +166,12 @@ class MoEConfig:
             raise ValueError("moe.shared_expert_gate needs shared_expert_hidden_size > 0")
         if self.first_k_dense < 0:
             raise ValueError("moe.first_k_dense must be >= 0")
+        if self.dense_layers is not None:
+            layers = list(self.dense_layers)
+            if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
+                raise ValueError(f"moe.dense_layers must be non-negative layer indices, got {self.dense_layers}")
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"moe.dense_layers has repeated layer indices: {self.dense_layers}")
 
 
 @dataclass
@@ -160,7 +189,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[YaRNScaling] = None
     qk_norm: Literal["none", "head", "full"] = "none"
-    attention: Literal["gqa", "mla"] = "gqa"
+    attention: str = "gqa"  # a registered attention: "gqa" or "mla" built in
+    mlp: str = "swiglu"  # a registered dense MLP
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -185,11 +215,10 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.attention not in ("gqa", "mla"):
-            raise ValueError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+        _check_components(("attention", self.attention), ("mlp", self.mlp))
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
-        if self.attention == "gqa":
+        if self.attention != "mla":
             if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads != 0:
                 raise ValueError(
                     f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -210,13 +239,20 @@ class ModelConfig:
             raise ValueError(
                 f"moe.first_k_dense={self.moe.first_k_dense} exceeds num_layers={self.num_layers}"
             )
-        needs_dense = self.moe.num_experts == 0 or self.moe.first_k_dense > 0
+        if self.moe.dense_layers and max(self.moe.dense_layers) >= self.num_layers:
+            raise ValueError(
+                f"moe.dense_layers={self.moe.dense_layers} names layers past num_layers={self.num_layers} "
+                f"(indices are 0-based)"
+            )
+        needs_dense = self.moe.num_experts == 0 or self.moe.first_k_dense > 0 or bool(self.moe.dense_layers)
         if needs_dense and self.dense_hidden_size <= 0:
             raise ValueError("dense_hidden_size must be positive when some layers are dense")
 
     # ---- derived -------------------------------------------------------------------------------
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return self.moe.num_experts > 0 and layer_idx >= self.moe.first_k_dense
+        if self.moe.num_experts == 0 or layer_idx < self.moe.first_k_dense:
+            return False
+        return not self.moe.dense_layers or layer_idx not in self.moe.dense_layers
 
     @property
     def num_moe_layers(self) -> int:
@@ -271,7 +307,7 @@ class ModelConfig:
 
     def attention_params(self) -> int:
         D, H = self.hidden_size, self.num_heads
-        if self.attention == "gqa":
+        if self.attention != "mla":
             hd = self.head_dim
             assert hd is not None
             n = D * H * hd + 2 * D * self.num_kv_heads * hd + H * hd * D
@@ -425,6 +461,8 @@ def _type_name(tp: Any) -> str:
         return "null"
     if dataclasses.is_dataclass(tp):
         return f"a mapping of {tp.__name__} fields"
+    if origin is list:
+        return f"a list of {_type_name((typing.get_args(tp) or (Any,))[0])}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
@@ -441,6 +479,10 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
                 continue
     elif origin is Literal:
         ok = value in typing.get_args(tp)
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp) or (Any,)
+            return [v if item is Any else _check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     elif tp is type(None):
         ok = value is None
     elif tp is bool:

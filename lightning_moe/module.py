@@ -1,32 +1,44 @@
-"""MoELanguageModel: the LightningModule (build, configure_model, steps, optimizers).
+"""MoELanguageModel: the LightningModule (build pipeline, steps, optimizers, logging).
 
 Loss normalisation (DESIGN invariant 4): every micro-batch backpropagates the *sum* of its token losses plus its
-global valid-token count times its MoE losses; before the optimizer step the gradients are multiplied by
+global valid-token count times its MoE losses; once the step's last backward is done, the gradient finalisation
+(:mod:`lightning_moe.parallel.finalize`, run by the strategy) multiplies the gradients by
 ``accumulate_grad_batches / N`` (N = valid tokens of the whole optimizer step over all data-parallel ranks and
 micro-batches; Lightning has already divided by accumulate_grad_batches). The step's objective is therefore
 
     sum(token losses) / N  +  sum_mb (n_mb / N) * sum_layers (aux_mb + z_mb)
 
 which is the plain mean token loss plus the MoE losses (a token-weighted mean over micro-batches, equal to the
-plain mean when micro-batches hold equal token counts) and does not depend on the layout.
+plain mean when micro-batches hold equal token counts) and does not depend on the layout. Every
+``on_before_optimizer_step`` hook (callbacks' and the module's) sees the finalised gradient of that objective.
+
+Strategies: :class:`~lightning_moe.MoEParallelStrategy` (any layout, one device included) or Lightning's
+single-device strategy (the plain ``L.Trainer()`` on one device). Other strategies (DDP, Lightning's FSDP and
+ModelParallel strategies, DeepSpeed) would silently use local token counts, local routing counts and rank 0's
+expert bias: they are refused at setup.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.build import ModelTransform, build_model
+from lightning_moe.checkpointing import accept_state_by_name, optimizer_state_by_name
 from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.transformer import MoETransformer
-from lightning_moe.parallel.grads import scale_grads_
+from lightning_moe.optim import AdamW
+from lightning_moe.parallel.finalize import StepResult, StepTotals, finalize_module_step, finalizing_closure
+from lightning_moe.strategies import MoEParallelStrategy
 
 IGNORE_INDEX = -100
 
@@ -76,11 +88,20 @@ class MoELanguageModel(L.LightningModule):
         weight_decay: applied to matrices only (not to norms, biases, embeddings; the router bias is a buffer).
         betas, eps: AdamW.
         fused: fused AdamW (None = on when the parameters live on CUDA).
+        skip_empty_steps: an optimizer step whose whole global batch has no valid token (every label -100 or
+            masked) raises by default; True skips it with a warning (no update, nothing logged as a loss).
+        model_transforms: callables ``fn(model) -> model | None`` applied to the meta-device model before
+            parallelisation (see :mod:`lightning_moe.build`); callbacks that define ``transform_model`` are
+            applied too.
+        pretrained: a local Hugging Face folder (config.json + safetensors) to start from: the model config comes
+            from it (``config`` may be left out, or must describe the same model) and its weights replace the
+            initialisation; under MoEParallelStrategy each rank reads only the slices it holds.
+            ``MoELanguageModel.from_pretrained(path, **kwargs)`` is the same.
     """
 
     def __init__(
         self,
-        config: Union[ModelConfig, str, dict] = "tiny",
+        config: Union[ModelConfig, str, dict, None] = None,
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 100,
@@ -89,9 +110,20 @@ class MoELanguageModel(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         fused: Optional[bool] = None,
+        skip_empty_steps: bool = False,
+        model_transforms: Optional[Sequence[Callable[[nn.Module], Optional[nn.Module]]]] = None,
+        pretrained: Optional[str] = None,
     ) -> None:
         super().__init__()
-        self.config = _resolve_config(config)
+        self.hf_model_type: Optional[str] = None
+        if pretrained is not None:
+            from lightning_moe.models.hf import config_from_hf, load_hf_config
+
+            hf = load_hf_config(pretrained)
+            self.hf_model_type = hf.get("model_type")
+            if config is None:
+                config = config_from_hf(hf)
+        self.config = _resolve_config("tiny" if config is None else config)
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
         if not 0 <= min_lr_ratio <= 1:
@@ -101,51 +133,118 @@ class MoELanguageModel(L.LightningModule):
         # configs are stored as plain dicts so weights_only checkpoint loading accepts them
         self.save_hyperparameters(
             {"config": self.config.to_dict(), "lr": lr, "min_lr_ratio": min_lr_ratio, "warmup_steps": warmup_steps,
-             "max_steps": max_steps, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused}
+             "max_steps": max_steps, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused,
+             "skip_empty_steps": skip_empty_steps, "pretrained": pretrained}
         )
+        self.pretrained = pretrained
+        self.skip_empty_steps = skip_empty_steps
+        self.model_transforms = list(model_transforms or [])
         self.model: Optional[MoETransformer] = None
-        self._step_loss_sum: Optional[Tensor] = None
-        self._step_tokens: Optional[Tensor] = None
+        self.step_totals = StepTotals()  # the running optimizer step's loss sum and token count (all data ranks)
+        self.last_step: Optional[StepResult] = None  # the last finalised optimizer step
+        self.last_train_loss: Optional[Tensor] = None
+        self.initial_val_loss: Optional[float] = None
+        self.last_val_loss: Optional[float] = None
         self._val_sums: Optional[Tensor] = None
         self._last_step_time: Optional[float] = None
 
-    # ---- model construction -------------------------------------------------------------------------
+    # ---- strategy ---------------------------------------------------------------------------------------
+    @property
+    def _strategy(self) -> Optional[Strategy]:
+        return self._trainer.strategy if self._trainer is not None else None
+
+    @property
+    def _parallel(self) -> Optional[MoEParallelStrategy]:
+        s = self._strategy
+        return s if isinstance(s, MoEParallelStrategy) else None
+
+    def setup(self, stage: str) -> None:
+        _check_strategy(self._strategy)
+
+    # ---- model construction: the build pipeline (lightning_moe.build) ---------------------------------------
     def configure_model(self) -> None:
-        """Builds the model on the meta device, materialises it on the strategy's device and initialises it;
-        a parallel strategy then attaches its layout. Idempotent, as Lightning requires."""
+        """build on meta -> model transforms (``model_transforms``, then callbacks' ``transform_model``, then the
+        strategy's) -> the strategy's parallelize -> materialise on the strategy's device -> initialise.
+        Idempotent, as Lightning requires."""
         if self.model is not None:
             return
-        with torch.device("meta"):
-            model = MoETransformer(self.config)
-        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        parallelize_fn = getattr(strategy, "parallelize_model", None)
-        if parallelize_fn is not None:
-            # parallel layouts shard on meta, then materialise only the local shards
-            model = parallelize_fn(model)
-        model.to_empty(device=device)
+        strategy = self._strategy
+        _check_strategy(strategy)
+        transforms = list(self.model_transforms)
+        if self._trainer is not None:
+            transforms += [cb.transform_model for cb in self._trainer.callbacks if isinstance(cb, ModelTransform)]
+        parallel = self._parallel
+        if parallel is not None:
+            transforms += parallel.model_transforms()
+        self.model = build_model(
+            self.config,
+            transforms=transforms,
+            parallelize=parallel.parallelize_model if parallel is not None else None,
+            device=strategy.root_device if strategy is not None else torch.device("cpu"),
+            initialize=self._initialize,
+        )
+
+    def _initialize(self, model: MoETransformer) -> None:
+        """Weights from ``pretrained`` (each rank reads its own slices), else the seeded init, the same weights
+        whatever the layout."""
+        if self.pretrained is not None:
+            from lightning_moe.models.hf import load_hf_weights_
+
+            result = load_hf_weights_(model, self.pretrained)
+            rank_zero_info(f"loaded {self.pretrained} ({result.bytes_read / 2**20:.1f} MiB read on rank 0)")
+            return
+        strategy = self._strategy
         if strategy is not None and strategy.world_size > 1:
             # one initialisation for the whole world: replicated plain tensors (e.g. the router under tp without
             # FSDP) must agree across ranks, whatever each process's RNG state was
             torch.manual_seed(strategy.broadcast(torch.initial_seed() % 2**63))
-        model.init_weights()
-        if device.type == "cpu" and any(isinstance(p, DTensor) for p in model.parameters()):
+        with torch.no_grad():
+            model.init_weights()
+        if model.tok_embeddings.weight.device.type == "cpu" and any(isinstance(p, DTensor) for p in model.parameters()):
             # CPU meshes have no DTensor RNG tracker: every rank would draw the same numbers for its own shard
             # (duplicated experts and router rows). Initialise the unsharded model and load it instead: the same
             # weights as one process (CPU runs are small).
             _load_unsharded_init(model, self.config, torch.initial_seed())
-        self.model = model
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         assert self.model is not None, "call configure_model() first (the Trainer does)"
         return self.model(input_ids, attention_mask)
 
+    # ---- Hugging Face ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> "MoELanguageModel":
+        """A module that starts from the Hugging Face folder ``path`` (families qwen3_moe, mixtral, deepseek_v3,
+        olmoe): ``MoELanguageModel(pretrained=path, **kwargs)``. The weights are read when the model is built
+        (``configure_model``, which the Trainer calls), by every rank for its own shards."""
+        return cls(pretrained=path, **kwargs)
+
+    def save_pretrained(self, out_dir: str, *, model_type: Optional[str] = None, **kwargs: Any) -> None:
+        """Write a Hugging Face folder (config.json + sharded safetensors) that ``transformers`` loads. Collective
+        under a distributed strategy (every rank calls it; rank 0 writes). ``model_type``: the family to write
+        (default: the one imported from, else inferred from the config)."""
+        from lightning_moe.models.hf import save_hf
+
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        save_hf(self.model, out_dir, self.config,
+                model_type=model_type or self.hf_model_type or infer_model_type(self.config), **kwargs)
+
+    def generate(self, prompt_or_ids: Any, max_new_tokens: int = 64, **kwargs: Any) -> Any:
+        """A string -> its continuation (byte tokenizer, stops at EOS); a list of strings -> their continuations;
+        token ids [B, S] or [S] -> prompt + continuation ids. Greedy by default (``temperature``, ``top_p``,
+        ``top_k`` sample); KV cache. See :func:`lightning_moe.generation.generate`. One process."""
+        from lightning_moe.generation import generate_any
+
+        assert self.model is not None, "call configure_model() first (the Trainer does)"
+        return generate_any(self.model, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
+
     # ---- loss -------------------------------------------------------------------------------------------
     def _reduce_sum(self, t: Tensor) -> Tensor:
         """Sum over the ranks that hold distinct tokens (the strategy's data-parallel and context-parallel
-        ranks); identity on one process."""
-        fn = getattr(self._trainer.strategy, "reduce_token_sum", None) if self._trainer is not None else None
-        return t if fn is None else fn(t)
+        ranks); identity on one device."""
+        parallel = self._parallel
+        return t if parallel is None else parallel.reduce_token_sum(t)
 
     def _token_loss_sum(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """(sum of token losses, local valid-token count) for a batch, in fp32."""
@@ -157,10 +256,10 @@ class MoELanguageModel(L.LightningModule):
         elif attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
         positions = None
-        shard = getattr(self._trainer.strategy, "shard_batch", None) if self._trainer is not None else None
-        if shard is not None:
+        parallel = self._parallel
+        if parallel is not None:
             # context parallel: this rank's load-balanced chunks, labels shifted on the full sequence first
-            local = shard({"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask})
+            local = parallel.shard_batch({"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask})
             input_ids, labels, attention_mask = local["input_ids"], local["labels"], local.get("attention_mask")
             positions = local.get("position_ids")
         assert self.model is not None, "call configure_model() first (the Trainer does)"
@@ -174,82 +273,60 @@ class MoELanguageModel(L.LightningModule):
         assert self.model is not None
         loss_sum, n_local = self._token_loss_sum(batch)
         sums = self._reduce_sum(torch.stack([loss_sum.detach(), n_local.to(loss_sum.dtype)]))
-        n_global = sums[1]
+        num_tokens = sums[1]  # this micro-batch's valid tokens over every data rank
+        self.step_totals.add(sums[0], num_tokens)
         aux, z = self.model.moe_losses()
-        if self._step_tokens is None:
-            self._step_loss_sum, self._step_tokens = sums[0], n_global
-            self._step_aux, self._step_z = aux.detach(), z.detach()
-            self._num_micro = 1
-        else:
-            self._step_loss_sum = self._step_loss_sum + sums[0]
-            self._step_tokens = self._step_tokens + n_global
-            self._step_aux, self._step_z = self._step_aux + aux.detach(), self._step_z + z.detach()
-            self._num_micro += 1
-        return loss_sum + n_global * (aux + z)
+        return loss_sum + num_tokens * (aux + z)
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self.model is not None and self._step_tokens is not None
-        sync = getattr(self.trainer.strategy, "sync_replicated_grads", None)
-        if sync is not None:
-            sync()
-        n_step = self._step_tokens.clamp(min=1)
-        scale = self.trainer.accumulate_grad_batches / n_step
-        scale_grads_(self.parameters(), scale)  # per local shard: parameters live on several meshes
-        for layer in self.model.moe_layers():
-            layer.router.update_expert_bias()
-        train_loss = self._step_loss_sum / n_step
-        self.last_train_loss = train_loss.detach()
-        if not bool(torch.isfinite(train_loss)):
-            raise FloatingPointError(
-                f"train_loss is {train_loss.item()} at step {self.global_step}: the run diverged. Lower the learning "
-                "rate, enable gradient clipping (gradient_clip_val) or check the data; the last checkpoint is intact."
-            )
-        self.log("train_loss", train_loss, prog_bar=True)
-        self.log("train/aux_loss", self._step_aux / self._num_micro)
-        self.log("train/z_loss", self._step_z / self._num_micro)
-        self.log("train/tokens", self._step_tokens.float())
-        # throughput of the whole run (all ranks): valid tokens of the step over the wall time since the last step
-        # (the finiteness check above synchronised, so the clock sees the device's work)
-        now = time.perf_counter()
+    # ---- gradient finalisation ------------------------------------------------------------------------------
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Optional[Callable] = None) -> None:
+        """Under Lightning's single-device strategy the gradient finalisation runs here, right after the closure's
+        backward and before any ``on_before_optimizer_step`` hook (``MoEParallelStrategy`` does the same in its own
+        ``optimizer_step``). An override must call ``super().optimizer_step(...)``."""
+        if self._parallel is None and optimizer_closure is not None:
+            optimizer_closure = finalizing_closure(optimizer_closure, lambda: finalize_module_step(self))
+        optimizer.step(closure=optimizer_closure)
+
+    def on_step_finalized(self, result: StepResult) -> None:
+        """Called by the gradient finalisation with the step's global statistics, before the hooks: keeps them
+        (``last_step``, ``last_train_loss``) and logs the layout-invariant step metrics."""
+        self.last_step = result
+        if result.skipped:
+            return
+        self.last_train_loss = result.loss
+        self.log("train_loss", result.loss, prog_bar=True)
+        self.log("train/aux_loss", result.aux_loss)
+        self.log("train/z_loss", result.z_loss)
+        self.log("train/tokens", result.num_tokens)
+        # throughput of the whole run (all ranks): the step's valid tokens over the time since the last step
+        # (the finalisation synchronised the device, so the clock sees its work)
         if self._last_step_time is not None:
-            tps = float(self._step_tokens) / max(now - self._last_step_time, 1e-9)
+            tps = float(result.num_tokens) / max(result.finished_at - self._last_step_time, 1e-9)
             self.log("train/tokens_per_sec", tps, prog_bar=True)
             self.log("train/tokens_per_sec_per_device", tps / self.trainer.world_size)
-        self._last_step_time = now
-        self._log_routing_stats()
-        self._step_loss_sum = self._step_tokens = None
+        self._last_step_time = result.finished_at
+        self._log_routing(result)
 
     @torch.no_grad()
-    def _log_routing_stats(self) -> None:
-        """Per MoE layer (last micro-batch, all ranks): aux and z losses, the load of the busiest expert over the
-        mean load, and in capacity mode the fraction of assignments dropped. One small all-reduce per step."""
-        layers = self._moe_layers_by_index()
-        if not layers:
-            return
-        counts_LE = torch.stack([layer.last_stats["tokens_per_expert"].float() for _, layer in layers])
-        dropped_L = torch.stack([layer.last_stats["num_dropped"].float() for _, layer in layers])
-        stats = torch.cat([counts_LE, dropped_L[:, None]], dim=1)
-        group = layers[0][1].router.global_group
-        if group is not None:
-            import torch.distributed._functional_collectives as funcol
-
-            stats = funcol.all_reduce(stats, "sum", group)
-        counts_LE, dropped_L = stats[:, :-1], stats[:, -1]
-        load_ratio_L = counts_LE.max(-1).values / counts_LE.mean(-1).clamp(min=1e-9)
-        assigned_L = counts_LE.sum(-1) + dropped_L
-        for i, (layer_idx, layer) in enumerate(layers):
-            self.log(f"moe/layer{layer_idx}/aux_loss", layer.last_aux_loss.detach())
-            self.log(f"moe/layer{layer_idx}/z_loss", layer.last_z_loss.detach())
-            self.log(f"moe/layer{layer_idx}/max_load_ratio", load_ratio_L[i])
-            if layer.config.capacity_factor is not None:
-                self.log(f"moe/layer{layer_idx}/dropped_fraction", dropped_L[i] / assigned_L[i].clamp(min=1))
+    def _log_routing(self, result: StepResult) -> None:
+        """Per MoE layer, over the step (all ranks, all micro-batches): aux and z losses, the load of the busiest
+        expert over the mean load, and in capacity mode the fraction of assignments dropped."""
+        n = max(result.num_micro_batches, 1)
+        for idx, r in result.routing.items():
+            counts_E = r.tokens_per_expert
+            self.log(f"moe/layer{idx}/aux_loss", r.aux_loss / n)
+            self.log(f"moe/layer{idx}/z_loss", r.z_loss / n)
+            self.log(f"moe/layer{idx}/max_load_ratio", counts_E.max() / counts_E.mean().clamp(min=1e-9))
+            if self.config.moe.capacity_factor is not None:
+                assigned = counts_E.sum() + r.num_dropped
+                self.log(f"moe/layer{idx}/dropped_fraction", r.num_dropped / assigned.clamp(min=1))
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
         gradient_clip_algorithm: Optional[str] = None,
     ) -> None:
         """Clip by the true global norm over every mesh (torch's clip_grad_norm_ fails on parameters living on
-        two meshes); runs after the gradients were rescaled to the step's mean."""
+        two meshes); runs after the gradient finalisation, on the step's mean gradient."""
         if gradient_clip_val is None or gradient_clip_val <= 0:
             return
         if gradient_clip_algorithm not in (None, "norm"):
@@ -259,10 +336,6 @@ class MoELanguageModel(L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = clip_grad_norm_(params, gradient_clip_val)
         self.log("train/grad_norm", norm)
-
-    def _moe_layers_by_index(self) -> list[tuple[int, Any]]:
-        assert self.model is not None
-        return [(int(i), blk.moe) for i, blk in self.model.layers.items() if blk.is_moe]
 
     # ---- validation ---------------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
@@ -278,8 +351,12 @@ class MoELanguageModel(L.LightningModule):
         if self._val_sums is None:
             return
         sums = self._reduce_sum(self._val_sums)
-        val_loss = sums[0] / sums[1].clamp(min=1)
         self._val_sums = None
+        if float(sums[1]) == 0:  # one host sync per validation run
+            rank_zero_warn("validation saw no valid token (every label -100 or masked): val_loss is not logged; "
+                           "check the validation data's labels and attention_mask")
+            return
+        val_loss = sums[0] / sums[1]
         if self.trainer.sanity_checking:
             # Lightning discards what the sanity check logs; when it covers the whole (limited) validation set
             # (num_sanity_val_steps=-1) it is the baseline before training, worth keeping at step 0.
@@ -294,7 +371,7 @@ class MoELanguageModel(L.LightningModule):
         self.log("val_loss", val_loss, prog_bar=True, sync_dist=True)
 
     def on_fit_end(self) -> None:
-        first, last = getattr(self, "initial_val_loss", None), getattr(self, "last_val_loss", None)
+        first, last = self.initial_val_loss, self.last_val_loss
         if first is not None and last is not None:
             rank_zero_info(
                 f"val_loss {first:.4f} -> {last:.4f} ({100 * (last - first) / first:+.1f}%) over {self.global_step} steps"
@@ -303,23 +380,23 @@ class MoELanguageModel(L.LightningModule):
     # ---- optimisation -------------------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
         for name, p in self.named_parameters():
-            if not p.requires_grad:
-                continue
-            # no weight decay on norms, biases (all 1-D) and embeddings; DTensors and plain tensors (e.g. the
-            # router under tp without FSDP) in separate groups: one fused/foreach kernel cannot mix them
-            no_decay = p.ndim < 2 or "tok_embeddings" in name
-            groups.setdefault((no_decay, isinstance(p, DTensor)), []).append(p)
-        params = [p for g in groups.values() for p in g]
+            if p.requires_grad:
+                # no weight decay on norms, biases (all 1-D) and embeddings
+                (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
+        params = decay + no_decay
         fused = hp.fused
         if fused is None:
             fused = bool(params) and all(p.device.type == "cuda" for p in params)
-        optimizer = torch.optim.AdamW(
-            [{"params": g, "weight_decay": 0.0 if no_decay else hp.weight_decay}
-             for (no_decay, _), g in sorted(groups.items())],
+        # the same two groups under every layout (optimizer and LR-scheduler states resume anywhere); this AdamW
+        # keeps DTensor and plain parameters apart inside its fused kernels
+        optimizer = AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
         )
+        accept_state_by_name(optimizer, self)
         total = hp.max_steps
         if total is None:
             total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
@@ -328,3 +405,44 @@ class MoELanguageModel(L.LightningModule):
             optimizer, lambda step: warmup_cosine(step, warmup, max(total, 1), min_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of another model fails here, naming the parameters and shapes (Lightning's single-device
+        loader; MoEParallelStrategy checks in its own load_checkpoint)."""
+        sd = checkpoint.get("state_dict")
+        if sd is not None and self.model is not None:
+            from lightning_moe.checkpointing import check_shapes
+
+            check_shapes({k: tuple(v.shape) for k, v in self.state_dict().items()},
+                         {k: tuple(v.shape) for k, v in sd.items()}, "being loaded", strict=self.strict_loading)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Optimizer states by parameter name, whatever the strategy (so they load under any layout)."""
+        states = checkpoint.get("optimizer_states")
+        if states and self._trainer is not None:
+            optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.trainer.optimizers]
+            checkpoint["optimizer_states"] = [optimizer_state_by_name(osd, opt, self)
+                                              for osd, opt in zip(states, optimizers)]
+
+
+def infer_model_type(config: ModelConfig) -> str:
+    """The Hugging Face family whose architecture matches ``config`` (qwen3_moe when several do)."""
+    if config.attention == "mla":
+        return "deepseek_v3"
+    if config.qk_norm == "full":
+        return "olmoe"
+    if config.qk_norm == "none" and config.moe.score_func == "softmax" and not config.moe.pre_softmax:
+        return "mixtral"
+    return "qwen3_moe"
+
+
+def _check_strategy(strategy: Optional[Strategy]) -> None:
+    if strategy is None or isinstance(strategy, (MoEParallelStrategy, SingleDeviceStrategy)):
+        return
+    raise ValueError(
+        f"MoELanguageModel cannot run under {type(strategy).__name__}: it would normalise the loss by local token "
+        "counts, compute the global aux loss from local routing counts and let the expert bias drift between "
+        "ranks. Use lightning_moe.MoEParallelStrategy (Trainer(strategy='moe_parallel') is plain FSDP2 data "
+        "parallelism; MoEParallelStrategy(ep=..., tp=...) adds expert and tensor parallelism) or one device."
+    )

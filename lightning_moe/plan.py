@@ -33,8 +33,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from lightning_moe.config import ModelConfig
+from lightning_moe.models.transformer import MoETransformer
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.layout import AC_MODES, block_relative, split_factors
 
 # bytes per parameter for (weights, grads, AdamW states) under each Lightning precision setting
 PRECISION_BYTES = {
@@ -44,7 +48,6 @@ PRECISION_BYTES = {
 }
 FP32_BYTES = (4, 4, 8)  # the router weight stays fp32 whatever the precision (TopKRouter._apply)
 ACT_BYTES = 2  # bf16 activations through the dispatcher
-AC_MODES = ("none", "full")  # as parallelize.AC_MODES (not imported: this module stays free of torch.distributed)
 
 
 @dataclass
@@ -130,64 +133,55 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _attention_tp_replicated(config: ModelConfig) -> int:
-    """Attention parameters of one layer that tensor parallelism does not split (norms inside attention)."""
-    if config.attention == "gqa":
-        hd = config.head_dim or 0
-        if config.qk_norm == "head":
-            return 2 * hd
-        if config.qk_norm == "full":
-            return (config.num_heads + config.num_kv_heads) * hd
-        return 0
-    # MLA: the latent norms (tp > 1 is rejected for MLA, so this only matters for the split label)
-    return config.kv_lora_rank + (config.q_lora_rank or 0)
+def _component(fqn: str) -> str:
+    """The param_breakdown component a state-dict entry of the built-in model belongs to."""
+    rel = block_relative(fqn)
+    for prefix, name in (("tok_embeddings.", "embedding"), ("output.", "lm_head"), ("norm.", "final_norm")):
+        if fqn.startswith(prefix):
+            return name
+    for prefix, name in (("attention_norm.", "norms"), ("ffn_norm.", "norms"), ("attention.", "attention"),
+                         ("feed_forward.", "dense_mlp"), ("moe.router.", "router"), ("moe.experts.", "routed_experts"),
+                         ("moe.shared_experts.", "shared_experts")):
+        if rel.startswith(prefix):
+            return name
+    raise AssertionError(f"no component for {fqn!r}")  # pragma: no cover - the built-in model's names
 
 
-def _parts(name: str, n: int, config: ModelConfig, dims: ParallelDims) -> tuple[list[tuple[int, int, bool, bool]], str]:
-    """(parts, split label) of a component: parts are (count, divisor, trainable, fp32)."""
-    tp, fsdp = dims.tp, int(dims.dp_shard) * dims.cp
-    ep, etp, edp = dims.ep, dims.etp, dims.edp_shard
-
-    def label(**factors: int) -> str:
-        s = " x ".join(f"{k}{v}" for k, v in factors.items() if v > 1)
-        return s or "-"
-
-    if name in ("embedding", "lm_head", "dense_mlp"):
-        return [(n, tp * fsdp, True, False)], label(tp=tp, fsdp=fsdp)
-    if name == "attention":
-        rep = _attention_tp_replicated(config) * config.num_layers
-        return [(n - rep, tp * fsdp, True, False), (rep, fsdp, True, False)], label(tp=tp, fsdp=fsdp)
-    if name in ("norms", "final_norm", "shared_experts"):
-        return [(n, fsdp, True, False)], label(fsdp=fsdp)
-    if name == "router":
-        m, L = config.moe, config.num_moe_layers
-        weight = m.num_experts * config.hidden_size * L
-        parts = [(weight, fsdp, True, True)]
-        if n > weight:  # the expert-bias buffer: fp32, not a parameter, not sharded
-            parts.append((n - weight, 1, False, True))
-        return parts, label(fsdp=fsdp)
-    if name == "routed_experts":
-        return [(n, ep * etp * edp, True, False)], label(ep=ep, etp=etp, edp=edp)
-    raise AssertionError(f"no placement for component {name!r}")  # pragma: no cover - param_breakdown's names
+_FACTOR_ORDER = ("tp", "fsdp", "ep", "etp", "edp")
 
 
 def layout_rows(config: ModelConfig, dims: ParallelDims, precision: str = "bf16-mixed") -> list[LayoutRow]:
-    """Per component: the parameters and the weight / gradient / optimizer bytes ONE GPU holds under ``dims``."""
+    """Per component: the parameters and the weight / gradient / optimizer bytes ONE GPU holds under ``dims``.
+
+    Counted tensor by tensor on the meta-device model with the splits of :func:`~lightning_moe.parallel.layout.
+    split_factors` (the rules ``parallelize`` applies); persistent buffers (the expert bias) are not split."""
     wb, gb, ob = _check_precision(precision)
-    rows = []
-    for name, c in config.param_breakdown().items():
-        parts, split = _parts(name, c["total"], config, dims)
-        row = LayoutRow(name, c["total"], 0, split, 0, 0, 0)
-        for count, div, trainable, fp32 in parts:
-            local = _ceil_div(count, div)
-            w, g, o = FP32_BYTES if fp32 else (wb, gb, ob)
-            row.local_params += local
-            row.weight_bytes += local * w
-            if trainable:
-                row.grad_bytes += local * g
-                row.optim_bytes += local * o
-        rows.append(row)
-    return rows
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    params = dict(model.named_parameters())
+    order = list(config.param_breakdown())
+    rows = {name: LayoutRow(name, 0, 0, "-", 0, 0, 0) for name in order}
+    labels: dict[str, dict[str, int]] = {name: {} for name in order}
+    for fqn, t in model.state_dict().items():
+        trainable = fqn in params
+        comp = _component(fqn)
+        factors = split_factors(fqn, dims) if trainable else {}
+        div = math.prod(factors.values())
+        local = _ceil_div(t.numel(), div)
+        w, g, o = FP32_BYTES if comp == "router" else (wb, gb, ob)
+        row = rows.setdefault(comp, LayoutRow(comp, 0, 0, "-", 0, 0, 0))
+        row.params += t.numel()
+        row.local_params += local
+        row.weight_bytes += local * w
+        if trainable:
+            row.grad_bytes += local * g
+            row.optim_bytes += local * o
+        for k, v in factors.items():
+            labels.setdefault(comp, {})[k] = max(v, labels[comp].get(k, 1))
+    for comp, row in rows.items():
+        f = labels.get(comp, {})
+        row.split = " x ".join(f"{k}{f[k]}" for k in _FACTOR_ORDER if f.get(k, 1) > 1) or "-"
+    return [r for r in rows.values() if r.params > 0]
 
 
 def alltoall_volume(
@@ -324,7 +318,7 @@ def format_layout_plan(name: str, config: ModelConfig, plan: LayoutPlan) -> str:
         f"(attention, embeddings, norms, router, shared experts; FSDP over dp_shard*cp={dps * d.cp})",
         f"  expert: dp_replicate={d.dp_replicate} x edp_shard={d.edp_shard} x ep={d.ep} x etp={d.etp}  "
         f"(routed experts; FSDP over edp_shard={d.edp_shard})",
-        f"  batch : dp_replicate={d.dp_replicate} x dp_shard={dps} = {d.batch_size_world} data shards of "
+        f"  batch : dp_replicate={d.dp_replicate} x dp_shard={dps} = {d.num_data_shards} data shards of "
         f"micro_batch={plan.micro_batch} x seq_len={plan.seq_len} (cp*tp={d.token_group_size} ranks share each)",
         f"precision {plan.precision}: PER-GPU bytes (router fp32 under every precision; nothing is divided by "
         f"dp_replicate)",

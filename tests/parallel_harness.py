@@ -112,7 +112,7 @@ def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1
 
         sizes = {k: v for k, v in layout.items() if k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")}
         sizes["dp_shard"] = -1 if sizes.get("dp_shard", "auto") == "auto" else sizes["dp_shard"]
-        dp = ParallelDims(world_size=world_size, **sizes).batch_size_world
+        dp = ParallelDims(world_size=world_size, **sizes).num_data_shards
     else:
         strategy = "auto"
     micro = GLOBAL_BATCH // (dp * accumulate)

@@ -374,7 +374,7 @@ def test_no_initial_val_loss_without_full_sanity_check(tmp_path):
     module = make_module(small_config(), sgd_lr=0.0)
     trainer = make_trainer(tmp_path, limit_val_batches=1, val_check_interval=1, num_sanity_val_steps=1)
     trainer.fit(module, ToyData())
-    assert not hasattr(module, "initial_val_loss")
+    assert module.initial_val_loss is None
     assert "val_loss" in trainer.callback_metrics
 
 

@@ -27,6 +27,8 @@ W2_LAYOUTS = {
     "clipping active, tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), clip=0.05),
     "activation checkpointing, ep=2": dict(layout=dict(ep=2, activation_checkpointing="full")),
     "global aux loss, ep=2": dict(layout=dict(ep=2), moe=dict(aux_loss_type="global")),
+    # 3 experts do not split over 2 FSDP ranks: the expert weights are sharded on their hidden dim D instead
+    "experts FSDP-sharded on D, E=3 over edp=2": dict(layout=dict(dp_shard=2), moe=dict(num_experts=3)),
 }
 W4_LAYOUTS = {
     "dp_shard=4 ep=2": dict(layout=dict(dp_shard=4, ep=2)),
@@ -101,3 +103,16 @@ def test_clipping_reference_is_active():
     """The clipped reference must differ from the unclipped one, or the clipping case tests nothing."""
     a, b = _reference(), _reference(clip=0.05)
     assert abs(a["losses"][-1] - b["losses"][-1]) > 1e-4
+
+
+def test_expert_fsdp_shard_dim():
+    from torch.distributed.tensor import Shard
+
+    from lightning_moe.moe.experts import GroupedExperts
+    from lightning_moe.parallel.parallelize import _expert_shard_placement
+
+    experts = GroupedExperts(3, 16, 8)
+    place = _expert_shard_placement(experts, edp=2)
+    assert place(experts.w1) == Shard(2) and place(experts.w3) == Shard(2) and place(experts.w2) == Shard(1)
+    even = _expert_shard_placement(GroupedExperts(4, 16, 8), edp=2)
+    assert all(even(p) == Shard(0) for p in (experts.w1, experts.w2))

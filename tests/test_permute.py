@@ -1,10 +1,10 @@
-"""permute / unpermute / pad_groups / sort_assignments against explicit loops."""
+"""permute / unpermute / sort_assignments against explicit loops."""
 
 import pytest
 import torch
 
 from lightning_moe.moe.dispatcher import LocalDispatcher
-from lightning_moe.moe.permute import pad_groups, permute, sort_assignments, unpermute
+from lightning_moe.moe.permute import permute, sort_assignments, unpermute
 from lightning_moe.moe.router import RoutingResult
 
 
@@ -80,31 +80,6 @@ def test_unpermute_bf16_rows_fp32_weights():
     assert out.dtype == torch.bfloat16
     ref = unpermute(y.float(), order, probs, T)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("counts,capacity", [([2, 0, 3, 1], 3), ([0, 0, 0, 0], 2), ([4, 4], 4), ([1, 2, 0], 5)])
-def test_pad_groups(counts, capacity):
-    D = 3
-    counts_E = torch.tensor(counts)
-    R = sum(counts)
-    x = torch.randn(R, D, requires_grad=True)
-    out, dest = pad_groups(x, counts_E, capacity)
-    E = len(counts)
-    assert out.shape == (E * capacity, D)
-    ref = torch.zeros(E * capacity, D)
-    ref_dest = []
-    r = 0
-    for e, c in enumerate(counts):
-        for i in range(c):
-            ref[e * capacity + i] = x[r]
-            ref_dest.append(e * capacity + i)
-            r += 1
-    assert torch.equal(out, ref)
-    assert dest.tolist() == ref_dest
-    # round trip and gradient
-    assert torch.equal(out.index_select(0, dest), x)
-    out.sum().backward()
-    assert torch.equal(x.grad, torch.ones(R, D))
 
 
 @pytest.mark.parametrize("pad", [False, True])

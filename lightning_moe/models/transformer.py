@@ -5,7 +5,11 @@ Model code is single-device and mesh-agnostic (DESIGN invariant 1): parallelism 
 Construction works on the meta device; ``init_weights()`` (or ``reset_parameters()`` on every submodule after
 ``to_empty``) gives the explicit initialisation.
 
-Legend: B batch, S sequence, D hidden, H heads, G kv heads, K head dim, V vocabulary, F MLP hidden.
+Incremental decoding: ``forward(..., cache=KVCache(...))`` runs only the new tokens and attends to the cached
+ones (see :class:`KVCache`); without a cache every path is the training forward, unchanged.
+
+Legend: B batch, S sequence, D hidden, H heads, G kv heads, K head dim, V vocabulary, F MLP hidden,
+L cached slots, R MLA kv latent rank, P MLA rope head dim.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.config import ModelConfig, YaRNScaling
+from lightning_moe.models import registry
 from lightning_moe.moe.layer import MoELayer
 
 
@@ -86,15 +91,21 @@ class RotaryEmbedding(nn.Module):
             self.cos_sin.copy_(table.to(self.cos_sin.device, self.cos_sin.dtype))
 
     def forward(self, positions_S: Tensor) -> tuple[Tensor, Tensor]:
-        cs = self.cos_sin.index_select(0, positions_S).float()
-        return cs[:, : self.dim // 2], cs[:, self.dim // 2 :]
+        """cos, sin [S, K/2] for positions [S] shared by the batch, or [B, S, K/2] for per-sequence positions
+        [B, S] (decoding a left-padded batch with a KV cache)."""
+        cs = self.cos_sin.index_select(0, positions_S.reshape(-1)).float().view(*positions_S.shape, self.dim)
+        return cs[..., : self.dim // 2], cs[..., self.dim // 2 :]
 
 
 def apply_rope(x_BSHK: Tensor, cos_SK2: Tensor, sin_SK2: Tensor) -> Tensor:
-    """Rotate-half RoPE (Hugging Face / Llama layout: the two halves of the head dim pair up)."""
+    """Rotate-half RoPE (Hugging Face / Llama layout: the two halves of the head dim pair up). cos/sin are
+    [S, K/2] (one set of positions for the batch) or [B, S, K/2] (per sequence)."""
     half = x_BSHK.shape[-1] // 2
     x1, x2 = x_BSHK[..., :half].float(), x_BSHK[..., half:].float()
-    cos, sin = cos_SK2[None, :, None, :], sin_SK2[None, :, None, :]
+    if cos_SK2.dim() == 2:
+        cos, sin = cos_SK2[None, :, None, :], sin_SK2[None, :, None, :]
+    else:
+        cos, sin = cos_SK2[:, :, None, :], sin_SK2[:, :, None, :]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x_BSHK.dtype)
 
@@ -109,6 +120,94 @@ class CoreAttention:
         if mask is None:
             return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, attn_mask=mask, scale=scale)
+
+
+class KVCache:
+    """Keys and values of earlier tokens for incremental decoding of a batch of B sequences in ``max_len`` slots.
+
+    Slot t of every sequence holds the t-th token fed to the model (prompt, then generated tokens). A prompt batch
+    may be left-padded: ``attention_mask`` [B, S] given to the forward that fills the slots marks padding (0),
+    which no later query attends to and which does not count as a position. Each sequence's RoPE positions count
+    its own real tokens (position = number of earlier real tokens), so a left-padded prompt decodes exactly as it
+    would alone. ``max_len`` must not exceed the model's ``max_seq_len``.
+
+    What a layer stores (``LayerKVCache.update``): GQA layers the keys after qk-norm and RoPE and the values,
+    [B, L, G, K] each (kv heads, before the GQA repeat). MLA layers the normalised kv latent [B, L, R] and the
+    shared roped key [B, L, P]: R + P numbers per token instead of H * (2 K) (what MLA is designed for); their
+    cached attention runs in the latent space with ``wkv_b`` absorbed into the query and the output (DeepSeek's
+    inference form, equal to the training forward up to rounding).
+
+    The model calls :meth:`begin` before and :meth:`end` after the layers of a forward; layers only see a
+    :class:`LayerKVCache` view. Storage is allocated on each layer's first update (its dtype and device).
+    """
+
+    def __init__(self, batch_size: int, max_len: int, device: Optional[torch.device | str] = None) -> None:
+        if batch_size <= 0 or max_len <= 0:
+            raise ValueError(f"KVCache needs batch_size > 0 and max_len > 0, got {batch_size} and {max_len}")
+        self.batch_size, self.max_len = batch_size, max_len
+        self.length = 0  # slots filled by completed forwards
+        self.valid_BL = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.next_pos_B = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._store: dict[int, list[Tensor]] = {}
+        self._new = 0  # tokens of the forward in progress
+
+    def begin(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Reserve slots for the S new tokens; return their positions [B, S], the attention mask [B, 1, S, L]
+        (True = attend: causal over slots, real keys only, and every query to its own slot so padding rows stay
+        finite) and the MoE padding mask [B, S] (None when every new token is real)."""
+        B, S = input_ids_BS.shape
+        if B != self.batch_size:
+            raise ValueError(f"KVCache was made for batch size {self.batch_size}, got input of batch size {B}")
+        start, end = self.length, self.length + S
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} slots: cannot add {S} tokens to {start} cached ones")
+        device = self.valid_BL.device
+        if attention_mask_BS is None:
+            real_BS = torch.ones(B, S, dtype=torch.bool, device=device)
+        else:
+            if tuple(attention_mask_BS.shape) != (B, S):
+                raise ValueError(f"attention_mask must have shape {(B, S)}, got {tuple(attention_mask_BS.shape)}")
+            real_BS = attention_mask_BS.to(device=device, dtype=torch.bool)
+        self.valid_BL[:, start:end] = real_BS
+        positions_BS = (self.next_pos_B[:, None] + real_BS.long().cumsum(1) - 1).clamp(min=0)
+        self.next_pos_B += real_BS.sum(1)
+        q_slot = torch.arange(start, end, device=device)[:, None]
+        k_slot = torch.arange(end, device=device)[None, :]
+        allowed_BSL = ((k_slot <= q_slot)[None] & self.valid_BL[:, None, :end]) | (k_slot == q_slot)[None]
+        self._new = S
+        padding_mask = None if attention_mask_BS is None or bool(real_BS.all()) else real_BS
+        return positions_BS, allowed_BSL[:, None], padding_mask
+
+    def update(self, layer_idx: int, *new_BS: Tensor) -> tuple[Tensor, ...]:
+        """Write this forward's tensors [B, S, ...] of one layer into their slots; return every filled slot of
+        each, [B, L, ...] (L = cached + new)."""
+        start, end = self.length, self.length + self._new
+        store = self._store.get(layer_idx)
+        if store is None:
+            store = [t.new_zeros(self.batch_size, self.max_len, *t.shape[2:]) for t in new_BS]
+            self._store[layer_idx] = store
+        out = []
+        for buf, t in zip(store, new_BS):
+            buf[:, start:end] = t
+            out.append(buf[:, :end])
+        return tuple(out)
+
+    def end(self) -> None:
+        self.length += self._new
+        self._new = 0
+
+    def layer(self, layer_idx: int) -> "LayerKVCache":
+        return LayerKVCache(self, layer_idx)
+
+
+class LayerKVCache:
+    """One layer's view of a :class:`KVCache` (what the attention modules receive)."""
+
+    def __init__(self, cache: KVCache, layer_idx: int) -> None:
+        self.cache, self.layer_idx = cache, layer_idx
+
+    def update(self, *new_BS: Tensor) -> tuple[Tensor, ...]:
+        return self.cache.update(self.layer_idx, *new_BS)
 
 
 def _linear(in_dim: int, out_dim: int) -> nn.Linear:
@@ -134,7 +233,10 @@ class Attention(nn.Module):
         self.rope = RotaryEmbedding(K, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.core_attention = CoreAttention()
 
-    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
+                cache: Optional[LayerKVCache] = None) -> Tensor:
+        """With ``cache``: positions [B, S] and mask [B, 1, S, L] come from :meth:`KVCache.begin`; keys and values
+        of earlier slots are read from the cache and this forward's are appended."""
         B, S, _ = x_BSD.shape
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         if self.qk_norm == "full":
@@ -147,13 +249,20 @@ class Attention(nn.Module):
             q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
         cos, sin = self.rope(positions_S)
         q_BSHK, k_BSGK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSGK, cos, sin)
+        if cache is not None:
+            k_BSGK, v_BSGK = cache.update(k_BSGK, v_BSGK)  # now every cached slot: [B, L, G, K]
         rep = q_BSHK.shape[2] // k_BSGK.shape[2]
         if rep > 1:
             k_BSGK = k_BSGK.repeat_interleave(rep, dim=2)
             v_BSGK = v_BSGK.repeat_interleave(rep, dim=2)
-        o_BHSK = self.core_attention(
-            q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask, None, positions_S
-        )
+        if cache is not None:  # single-process decoding: explicit slot mask, no context-parallel seam
+            o_BHSK = F.scaled_dot_product_attention(
+                q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), attn_mask=mask
+            )
+        else:
+            o_BHSK = self.core_attention(
+                q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask, None, positions_S
+            )
         return self.wo(o_BHSK.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -185,7 +294,10 @@ class MLAttention(nn.Module):
         if cfg.rope_scaling is not None:
             self.scale *= yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim) ** 2
 
-    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
+                cache: Optional[LayerKVCache] = None) -> Tensor:
+        if cache is not None:
+            return self._forward_cached(x_BSD, positions_S, mask, cache)
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD) if self.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
         q_BSHK = q.view(B, S, -1, self.nope + self.rope_dim)
@@ -204,6 +316,29 @@ class MLAttention(nn.Module):
         )
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
+    def _forward_cached(self, x_BSD: Tensor, positions_BS: Tensor, mask: Tensor, cache: LayerKVCache) -> Tensor:
+        """Decoding with a latent cache (normalised c_kv [B, L, R] and roped k_pe [B, L, P]). ``wkv_b`` is absorbed:
+        q_nope . (W_uk c) = (W_uk^T q_nope) . c and the output W_uv (sum_l p_l c_l), so attention runs over R + P
+        dimensions against the latent itself and no per-head keys or values are materialised."""
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD) if self.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        q_nope, q_pe = q.view(B, S, -1, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        cos, sin = self.rope(positions_BS)
+        q_pe = apply_rope(q_pe, cos, sin)
+        k_pe_BSP = apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)
+        c_BLR, k_pe_BLP = cache.update(self.kv_norm(c_kv), k_pe_BSP)
+        w_HXR = self.wkv_b.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk_HNR, w_uv_HVR = w_HXR.split([self.nope, self.v_dim], dim=1)
+        q_lat_BSHR = torch.einsum("bshn,hnr->bshr", q_nope, w_uk_HNR)
+        H = q_lat_BSHR.shape[2]
+        q_BHSX = torch.cat([q_lat_BSHR, q_pe], dim=-1).transpose(1, 2)
+        k_BHLX = torch.cat([c_BLR, k_pe_BLP], dim=-1)[:, None].expand(-1, H, -1, -1)
+        v_BHLR = c_BLR[:, None].expand(-1, H, -1, -1)
+        o_BHSR = F.scaled_dot_product_attention(q_BHSX, k_BHLX, v_BHLR, attn_mask=mask, scale=self.scale)
+        o_BSHV = torch.einsum("bhsr,hvr->bshv", o_BHSR, w_uv_HVR)
+        return self.wo(o_BSHV.reshape(B, S, -1))
+
 
 class FeedForward(nn.Module):
     """Dense SwiGLU MLP."""
@@ -218,20 +353,27 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm block: attention and an MLP (dense, or MoE where ``cfg.is_moe_layer``); components are built by
+    name through :mod:`lightning_moe.models.registry`."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attention = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.attention = registry.build("attention", cfg.attention, cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
             self.moe = MoELayer(cfg.moe, cfg.hidden_size)
         else:
-            self.feed_forward = FeedForward(cfg.hidden_size, cfg.dense_hidden_size)
+            self.feed_forward = registry.build("mlp", cfg.mlp, cfg.hidden_size, cfg.dense_hidden_size)
 
-    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor], padding_mask_BS: Optional[Tensor]) -> Tensor:
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S, mask)
+    def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor], padding_mask_BS: Optional[Tensor],
+                cache: Optional[KVCache] = None) -> Tensor:
+        if cache is None:
+            h = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S, mask)
+        else:
+            h = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S, mask, cache=cache.layer(self.layer_idx))
         ffn_in = self.ffn_norm(h)
         out = self.moe(ffn_in, padding_mask_BS) if self.is_moe else self.feed_forward(ffn_in)
         return h + out
@@ -287,11 +429,15 @@ class MoETransformer(nn.Module):
         return (zero if aux is None else aux), (zero if z is None else z)
 
     def forward(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
-                positions_S: Optional[Tensor] = None) -> Tensor:
-        return self.logits(self.hidden_states(input_ids_BS, attention_mask_BS, positions_S))
+                positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+        """``positions_S``: [S] (default arange) or, on one process, [B, S] per-sequence positions. ``cache``:
+        incremental decoding (see :class:`KVCache`; positions then follow the cache and must be None)."""
+        return self.logits(self.hidden_states(input_ids_BS, attention_mask_BS, positions_S, cache=cache))
 
     def hidden_states(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
-                      positions_S: Optional[Tensor] = None) -> Tensor:
+                      positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+        if cache is not None:
+            return self._hidden_states_cached(input_ids_BS, attention_mask_BS, positions_S, cache)
         B, S = input_ids_BS.shape
         if positions_S is None:
             positions_S = torch.arange(S, device=input_ids_BS.device)
@@ -308,6 +454,19 @@ class MoETransformer(nn.Module):
         h = self.tok_embeddings(input_ids_BS)
         for block in self.layers.values():
             h = block(h, positions_S, mask, padding_mask)
+        return self.norm(h)
+
+    def _hidden_states_cached(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor],
+                              positions_S: Optional[Tensor], cache: KVCache) -> Tensor:
+        if positions_S is not None:
+            raise ValueError("with a KV cache the positions follow the cache: pass positions_S=None")
+        if cache.max_len > self.config.max_seq_len:
+            raise ValueError(f"KVCache max_len={cache.max_len} exceeds the model's max_seq_len={self.config.max_seq_len}")
+        positions_BS, mask, padding_mask = cache.begin(input_ids_BS, attention_mask_BS)
+        h = self.tok_embeddings(input_ids_BS)
+        for block in self.layers.values():
+            h = block(h, positions_BS, mask, padding_mask, cache=cache)
+        cache.end()
         return self.norm(h)
 
     def logits(self, h_BSD: Tensor) -> Tensor:

@@ -1,7 +1,7 @@
 """Token dispatchers: move routed rows to the rank that holds their expert and back.
 
 Legend: T local tokens, D hidden, k top-k, E global experts, e local experts (E / ep), R rows on this rank's
-experts, N = T*k assignments, P ep size, Q etp size, S = Q*P sources of rows for one rank's experts.
+experts, A = T*k assignments, P ep size, Q etp size, C = Q*P sources of rows for one rank's experts.
 The MoE layer holds one dispatcher object; parallelize swaps the local one for a distributed one.
 
 Contract (every dispatcher): ``x_RD, counts_e, ctx = dispatch(x_TD, routing, E)`` returns rows grouped by LOCAL
@@ -19,7 +19,7 @@ output (the down projection contracts over F).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from lightning_moe.moe.router import RoutingResult
+from lightning_moe.parallel.collectives import all_gather_autograd, all_gather_into, reduce_scatter_autograd
 
 try:  # a 1-D DeviceMesh is accepted wherever a group is
     from torch.distributed.device_mesh import DeviceMesh
@@ -34,14 +35,6 @@ except ImportError:  # pragma: no cover - torch without device_mesh
     DeviceMesh = ()  # type: ignore[assignment,misc]
 
 GroupLike = Union["dist.ProcessGroup", "DeviceMesh"]
-
-# torch >= 2.12 renamed the autograd all-gather / reduce-scatter (the old names warn); 2.11 has only the old ones
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-_reduce_scatter_autograd = (
-    getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
-)
-_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 @dataclass
 class DispatchContext:
@@ -53,7 +46,8 @@ class DispatchContext:
         assignments with no row (dropped by capacity, or on another rank's experts for the all-gather dispatcher).
     asg_R: the assignment (flat index into [num_tokens, k]) of each of those rows; -1 for padding rows.
     has_dropped: some pos_TK are -1.  rows_covered: no asg_R is -1.
-    extra: the distributed dispatcher's own state (split sizes, regroup index, ...).
+    extra: the distributed dispatcher's own state: the all-to-all's split sizes and regroup indices, or the
+        all-gather dispatcher's local token count.
     """
 
     num_tokens: int
@@ -62,7 +56,7 @@ class DispatchContext:
     asg_R: Tensor
     has_dropped: bool = False
     rows_covered: bool = True
-    extra: Any = None
+    extra: Union["_AllToAllState", int, None] = None
 
 
 class TokenDispatcher:
@@ -180,19 +174,19 @@ class _Reindex(torch.autograd.Function):
     x no index reaches get an arbitrary row's gradient: callers only use this where such rows are cut off)."""
 
     @staticmethod
-    def forward(ctx, x_ND: Tensor, index_R: Tensor, inverse_N: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse_N)
+    def forward(ctx, x_ND: Tensor, index_R: Tensor, inverse_A: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_A)
         return x_ND.index_select(0, index_R)
 
     @staticmethod
     def backward(ctx, g_RD: Tensor):
-        (inverse_N,) = ctx.saved_tensors
-        return g_RD.contiguous().index_select(0, inverse_N), None, None
+        (inverse_A,) = ctx.saved_tensors
+        return g_RD.contiguous().index_select(0, inverse_A), None, None
 
 
-def _count(ids_N: Tensor, num_bins: int) -> Tensor:
+def _count(ids_A: Tensor, num_bins: int) -> Tensor:
     """bincount without its host sync (torch.bincount reads the max id back to the host on CUDA)."""
-    return torch.zeros(num_bins, dtype=torch.long, device=ids_N.device).scatter_add_(0, ids_N, torch.ones_like(ids_N))
+    return torch.zeros(num_bins, dtype=torch.long, device=ids_A.device).scatter_add_(0, ids_A, torch.ones_like(ids_A))
 
 
 def _sort_by_expert(routing: RoutingResult, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -202,33 +196,33 @@ def _sort_by_expert(routing: RoutingResult, num_experts: int) -> tuple[Tensor, T
     ids_TK = routing.expert_ids
     if routing.keep_mask is not None:
         ids_TK = torch.where(routing.keep_mask, ids_TK, torch.full_like(ids_TK, num_experts))
-    ids_N = ids_TK.reshape(-1)
-    return ids_TK, torch.argsort(ids_N, stable=True), _count(ids_N, num_experts + 1)
+    ids_A = ids_TK.reshape(-1)
+    return ids_TK, torch.argsort(ids_A, stable=True), _count(ids_A, num_experts + 1)
 
 
-def _positions(order_N: Tensor, num_rows: int, shape: torch.Size) -> Tensor:
-    """Row of each assignment: its rank in ``order_N`` if below ``num_rows``, else -1."""
-    N = order_N.numel()
-    rank_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(N, device=order_N.device))
-    if num_rows < N:
-        rank_N = torch.where(rank_N < num_rows, rank_N, torch.full_like(rank_N, -1))
-    return rank_N.view(shape)
+def _positions(order_A: Tensor, num_rows: int, shape: torch.Size) -> Tensor:
+    """Row of each assignment: its rank in ``order_A`` if below ``num_rows``, else -1."""
+    A = order_A.numel()
+    rank_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(A, device=order_A.device))
+    if num_rows < A:
+        rank_A = torch.where(rank_A < num_rows, rank_A, torch.full_like(rank_A, -1))
+    return rank_A.view(shape)
 
 
-def _capacity_slots(ids_TK: Tensor, order_N: Tensor, counts_E1: Tensor, E: int, cap: int) -> tuple[Tensor, Tensor]:
+def _capacity_slots(ids_TK: Tensor, order_A: Tensor, counts_E1: Tensor, E: int, cap: int) -> tuple[Tensor, Tensor]:
     """Padded layout [E, cap]: the slot of every assignment (-1: dropped, or past the capacity) and the assignment
     of every slot (-1: empty). No host sync."""
     T, k = ids_TK.shape
-    N = order_N.numel()
-    dev = order_N.device
-    ids_N = ids_TK.reshape(-1).index_select(0, order_N)
-    rank_N = torch.arange(N, device=dev) - _exclusive_cumsum(counts_E1, 0).index_select(0, ids_N)
-    valid_N = (ids_N < E) & (rank_N < cap)
-    slot_N = torch.where(valid_N, ids_N * cap + rank_N, torch.full_like(ids_N, E * cap))
-    asg_S = torch.full((E * cap + 1,), -1, dtype=torch.long, device=dev).scatter_(0, slot_N, order_N)[: E * cap]
-    pos_N = torch.empty_like(slot_N).scatter_(0, order_N, slot_N)
-    pos_TK = torch.where(pos_N == E * cap, torch.full_like(pos_N, -1), pos_N).view(T, k)
-    return pos_TK, asg_S
+    A = order_A.numel()
+    dev = order_A.device
+    ids_A = ids_TK.reshape(-1).index_select(0, order_A)
+    rank_A = torch.arange(A, device=dev) - _exclusive_cumsum(counts_E1, 0).index_select(0, ids_A)
+    valid_A = (ids_A < E) & (rank_A < cap)
+    slot_A = torch.where(valid_A, ids_A * cap + rank_A, torch.full_like(ids_A, E * cap))
+    asg_R = torch.full((E * cap + 1,), -1, dtype=torch.long, device=dev).scatter_(0, slot_A, order_A)[: E * cap]
+    pos_A = torch.empty_like(slot_A).scatter_(0, order_A, slot_A)
+    pos_TK = torch.where(pos_A == E * cap, torch.full_like(pos_A, -1), pos_A).view(T, k)
+    return pos_TK, asg_R
 
 
 def _permute(x_TD: Tensor, probs_TK: Tensor, pos_TK: Tensor, asg_R: Tensor, has_dropped: bool,
@@ -256,17 +250,17 @@ class LocalDispatcher(TokenDispatcher):
         E = num_experts
         self.num_local_experts = E
         T, k = routing.expert_ids.shape
-        ids_TK, order_N, counts_E1 = _sort_by_expert(routing, E)
+        ids_TK, order_A, counts_E1 = _sort_by_expert(routing, E)
         counts_E = counts_E1[:E]
         if routing.capacity is not None and self.pad_to_capacity:
             cap = int(routing.capacity)
-            pos_TK, asg_S = _capacity_slots(ids_TK, order_N, counts_E1, E, cap)
-            x_RD, ctx = _permute(x_TD, routing.probs, pos_TK, asg_S, True, False)
+            pos_TK, asg_R = _capacity_slots(ids_TK, order_A, counts_E1, E, cap)
+            x_RD, ctx = _permute(x_TD, routing.probs, pos_TK, asg_R, True, False)
             return x_RD, torch.full_like(counts_E, cap), ctx
-        N = order_N.numel()
-        R = N if routing.keep_mask is None else int(counts_E.sum())  # host sync only in capacity mode
-        pos_TK = _positions(order_N, R, (T, k))
-        x_RD, ctx = _permute(x_TD, routing.probs, pos_TK, order_N[:R], R < N, True)
+        A = order_A.numel()
+        R = A if routing.keep_mask is None else int(counts_E.sum())  # host sync only in capacity mode
+        pos_TK = _positions(order_A, R, (T, k))
+        x_RD, ctx = _permute(x_TD, routing.probs, pos_TK, order_A[:R], R < A, True)
         return x_RD, counts_E, ctx
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
@@ -293,26 +287,26 @@ def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     return torch.cumsum(x, dim) - x
 
 
-def regroup_index(counts_SE: Tensor, base_S: Tensor, total: int) -> Tensor:
+def regroup_index(counts_CE: Tensor, base_C: Tensor, total: int) -> Tensor:
     """Gather index that reorders rows laid out source-major into expert-major order.
 
-    The input buffer holds, for each source s, blocks of ``counts_SE[s, j]`` rows for local experts j = 0..e-1,
-    source s starting at row ``base_S[s]`` (sources may be separated by padding). Row ``o`` of the expert-major
-    output ([expert][source]) is ``buffer[index[o]]``; ``total = counts_SE.sum()`` (a host int: no sync here)."""
-    S, e = counts_SE.shape
-    dev = counts_SE.device
-    src_start_SE = base_S.unsqueeze(1) + _exclusive_cumsum(counts_SE, 1)
-    cnt_ES = counts_SE.t().reshape(-1)  # blocks in output order (j, s)
-    dst_start_ES = _exclusive_cumsum(cnt_ES, 0)
-    src_start_ES = src_start_SE.t().reshape(-1)
-    block_R = torch.repeat_interleave(torch.arange(S * e, device=dev), cnt_ES, output_size=total)
-    return src_start_ES[block_R] + torch.arange(total, device=dev) - dst_start_ES[block_R]
+    The input buffer holds, for each source s, blocks of ``counts_CE[s, j]`` rows for local experts j = 0..e-1,
+    source s starting at row ``base_C[s]`` (sources may be separated by padding). Row ``o`` of the expert-major
+    output ([expert][source]) is ``buffer[index[o]]``; ``total = counts_CE.sum()`` (a host int: no sync here)."""
+    C, e = counts_CE.shape
+    dev = counts_CE.device
+    src_start_CE = base_C.unsqueeze(1) + _exclusive_cumsum(counts_CE, 1)
+    cnt_EC = counts_CE.t().reshape(-1)  # blocks in output order (j, s)
+    dst_start_EC = _exclusive_cumsum(cnt_EC, 0)
+    src_start_EC = src_start_CE.t().reshape(-1)
+    block_R = torch.repeat_interleave(torch.arange(C * e, device=dev), cnt_EC, output_size=total)
+    return src_start_EC[block_R] + torch.arange(total, device=dev) - dst_start_EC[block_R]
 
 
 def _gather_small(t: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
     """Non-differentiable all-gather of a small tensor: [size, *t.shape]."""
     out = t.new_empty((size * t.shape[0],) + tuple(t.shape[1:]))
-    _all_gather_into(out, t.contiguous(), group=group)
+    all_gather_into(out, t.contiguous(), group=group)
     return out.view((size,) + tuple(t.shape))
 
 
@@ -428,21 +422,21 @@ class AllToAllDispatcher(_GroupedDispatcher):
         e = self._local_experts(E)
         P, Q = self.ep_size, self.etp_size
         T, k = routing.expert_ids.shape
-        ids_TK, order_N, counts_E1 = _sort_by_expert(routing, E)  # by global expert = by destination rank
+        ids_TK, order_A, counts_E1 = _sort_by_expert(routing, E)  # by global expert = by destination rank
         if self.pad_to_capacity and routing.capacity is not None:
             cap = int(routing.capacity)
-            pos_TK, asg_S = _capacity_slots(ids_TK, order_N, counts_E1, E, cap)
+            pos_TK, asg_R = _capacity_slots(ids_TK, order_A, counts_E1, E, cap)
             # [dest rank][local expert][cap]
-            x_sent, ctx = _permute(x_TD, routing.probs, pos_TK, asg_S, True, False)
+            x_sent, ctx = _permute(x_TD, routing.probs, pos_TK, asg_R, True, False)
             send = recv_splits = [e * cap] * P
             recv_QPe = torch.full((Q, P, e), cap, dtype=torch.long, device=x_TD.device)
             rows_Q = [P * e * cap] * Q
         else:
             send, recv, recv_QPe = self._exchange_counts(counts_E1[:E], e)
             n_send = sum(send)
-            N = order_N.numel()
-            pos_TK = _positions(order_N, n_send, (T, k))
-            x_sent, ctx = _permute(x_TD, routing.probs, pos_TK, order_N[:n_send], n_send < N, True)
+            A = order_A.numel()
+            pos_TK = _positions(order_A, n_send, (T, k))
+            x_sent, ctx = _permute(x_TD, routing.probs, pos_TK, order_A[:n_send], n_send < A, True)
             recv_splits = [sum(c) for c in recv[self.etp_rank]]
             rows_Q = [sum(sum(c) for c in recv[q]) for q in range(Q)]
 
@@ -450,7 +444,7 @@ class AllToAllDispatcher(_GroupedDispatcher):
         own = sum(recv_splits)
         if Q > 1:
             rmax = max(rows_Q)
-            x_buf = _all_gather_autograd(_pad_rows(x_recv, rmax), 0, self.etp_group)  # [etp peer][rmax]
+            x_buf = all_gather_autograd(_pad_rows(x_recv, rmax), 0, self.etp_group)  # [etp peer][rmax]
         else:
             rmax, x_buf = own, x_recv
         total = sum(rows_Q)
@@ -471,7 +465,7 @@ class AllToAllDispatcher(_GroupedDispatcher):
         y_buf = _Reindex.apply(y_RD, st.inverse_B, st.regroup_R)
         if self.etp_size > 1:
             # partial outputs (F is split over etp): sum them and keep this rank's own rows
-            y_recv = _reduce_scatter_autograd(y_buf, "sum", 0, self.etp_group)[: st.own_rows]
+            y_recv = reduce_scatter_autograd(y_buf, "sum", 0, self.etp_group)[: st.own_rows]
         else:
             y_recv = y_buf
         y_sent = self._a2a(y_recv, st.send_splits, st.recv_splits)
@@ -496,9 +490,9 @@ class AllGatherDispatcher(_GroupedDispatcher):
 
     def _gather(self, t: Tensor) -> Tensor:
         if self.ep_size > 1:
-            t = _all_gather_autograd(t.contiguous(), 0, self.ep_group)
+            t = all_gather_autograd(t.contiguous(), 0, self.ep_group)
         if self.etp_size > 1:
-            t = _all_gather_autograd(t.contiguous(), 0, self.etp_group)
+            t = all_gather_autograd(t.contiguous(), 0, self.etp_group)
         return t
 
     def dispatch(
@@ -536,18 +530,18 @@ class AllGatherDispatcher(_GroupedDispatcher):
         probs_g = meta_g[:, :k]
         local_g = meta_g[:, k:].detach().long() - lo
         local_g = torch.where((local_g >= 0) & (local_g < e), local_g, torch.full_like(local_g, e))
-        order_N = torch.argsort(local_g.reshape(-1), stable=True)
+        order_A = torch.argsort(local_g.reshape(-1), stable=True)
         counts_e1 = _count(local_g.reshape(-1), e + 1)
-        N = order_N.numel()
-        pos_TK = _positions(order_N, rows, local_g.shape)
-        x_RD, ctx = _permute(x_g, probs_g, pos_TK, order_N[:rows], rows < N, True)
+        A = order_A.numel()
+        pos_TK = _positions(order_A, rows, local_g.shape)
+        x_RD, ctx = _permute(x_g, probs_g, pos_TK, order_A[:rows], rows < A, True)
         ctx.extra = T
         return x_RD, counts_e1[:e], ctx
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
         y = _unpermute(y_RD, ctx)  # [Q][P][t_max]
         if self.etp_size > 1:
-            y = _reduce_scatter_autograd(y, "sum", 0, self.etp_group)
+            y = reduce_scatter_autograd(y, "sum", 0, self.etp_group)
         if self.ep_size > 1:
-            y = _reduce_scatter_autograd(y, "sum", 0, self.ep_group)
+            y = reduce_scatter_autograd(y, "sum", 0, self.ep_group)
         return y[: ctx.extra]

@@ -7,32 +7,47 @@ the expert weights into DTensors; nothing here looks up a process group.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from lightning_moe.autograd import in_backward
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.dispatcher import LocalDispatcher, TokenDispatcher
-from lightning_moe.moe.experts import GroupedExperts, SharedExperts
-from lightning_moe.moe.router import RoutingResult, TopKRouter
+from lightning_moe.moe.router import RoutingResult
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "RoutingStats"]
 
 
-def _in_backward() -> bool:
-    """True while the autograd engine runs (activation-checkpoint recomputation of the forward)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
+@dataclass
+class RoutingStats:
+    """Routing of the training forwards of this process since the last :meth:`MoELayer.pop_routing_stats`:
+    kept assignments per expert [E] (int64), assignments of valid tokens dropped by capacity, valid tokens routed,
+    and the sums of the (rank-partial, coefficient applied) aux and z losses, detached."""
+
+    tokens_per_expert: Tensor
+    num_dropped: Tensor
+    num_tokens: Tensor
+    aux_loss: Tensor
+    z_loss: Tensor
+
+    def __add__(self, other: "RoutingStats") -> "RoutingStats":
+        return RoutingStats(*(a + b for a, b in zip(self._fields(), other._fields())))
+
+    def _fields(self) -> tuple[Tensor, ...]:
+        return (self.tokens_per_expert, self.num_dropped, self.num_tokens, self.aux_loss, self.z_loss)
 
 
 class MoELayer(nn.Module):
     """Routed experts (plus optional shared experts) replacing a transformer block's MLP.
 
     Args:
-        config: the MoE configuration (E, k, F, routing, capacity, shared experts).
+        config: the MoE configuration (E, k, F, routing, capacity, shared experts). ``config.router`` and
+            ``config.experts`` name the router and routed-expert classes in
+            :mod:`lightning_moe.models.registry`.
         hidden_size: D.
-        use_grouped_mm: passed to :class:`GroupedExperts`.
         init_std / out_init_std: normal-init stds of the expert and shared-expert input / output projections.
 
     After each forward:
@@ -41,7 +56,8 @@ class MoELayer(nn.Module):
         ``last_stats``: detached tensors for monitoring: ``tokens_per_expert`` [E] int64 (kept assignments on
             this process), ``num_dropped`` (assignments of valid tokens dropped by capacity), ``num_tokens``
             (real, i.e. non-padding, tokens on this process).
-        Forwards re-run by activation checkpointing (inside backward) leave these untouched.
+        Training forwards also add to the statistics :meth:`pop_routing_stats` returns (once per optimizer step).
+        Forwards re-run by activation checkpointing (inside backward) leave all of these untouched.
     """
 
     def __init__(
@@ -49,46 +65,39 @@ class MoELayer(nn.Module):
         config: MoEConfig,
         hidden_size: int,
         *,
-        use_grouped_mm: bool = True,
         init_std: float = 0.02,
         out_init_std: Optional[float] = None,
     ) -> None:
         super().__init__()
         if config.num_experts <= 0:
             raise ValueError("MoELayer needs moe.num_experts > 0 (num_experts=0 means a dense MLP layer)")
+        from lightning_moe.models.registry import build  # lazily: the registry imports this module
+
         self.config = config
         self.hidden_size = hidden_size
         self.num_experts = config.num_experts
         self.top_k = config.top_k
-        self.router = TopKRouter(config, hidden_size, init_std=init_std)
-        self.experts = GroupedExperts(
-            config.num_experts,
-            hidden_size,
-            config.expert_hidden_size,
-            use_grouped_mm=use_grouped_mm,
-            init_std=init_std,
-            out_init_std=out_init_std,
-        )
-        self.shared_experts: Optional[SharedExperts] = None
+        self.router = build("router", config.router, config, hidden_size, init_std=init_std)
+        self.experts = build("experts", config.experts, config.num_experts, hidden_size, config.expert_hidden_size,
+                             init_std=init_std, out_init_std=out_init_std)
+        self.shared_experts: Optional[nn.Module] = None
         if config.shared_expert_hidden_size > 0:
-            self.shared_experts = SharedExperts(
-                hidden_size,
-                config.shared_expert_hidden_size,
-                gate=config.shared_expert_gate,
-                init_std=init_std,
-                out_init_std=out_init_std,
-            )
+            self.shared_experts = build("shared_experts", config.shared_experts, hidden_size,
+                                        config.shared_expert_hidden_size, gate=config.shared_expert_gate,
+                                        init_std=init_std, out_init_std=out_init_std)
         # a plain attribute (not a submodule): parallelize replaces it with a distributed dispatcher
         self.dispatcher: TokenDispatcher = LocalDispatcher(pad_to_capacity=config.pad_to_capacity)
         self.last_aux_loss: Optional[Tensor] = None
         self.last_z_loss: Optional[Tensor] = None
         self.last_stats: dict[str, Tensor] = {}
+        self._routing_stats: Optional[RoutingStats] = None
 
     def __getstate__(self) -> dict:
         # the last losses are graph tensors (not deep-copyable or picklable) and only live for one step
         state = super().__getstate__()
         state["last_aux_loss"] = None
         state["last_z_loss"] = None
+        state["_routing_stats"] = None
         return state
 
     def extra_repr(self) -> str:
@@ -124,8 +133,19 @@ class MoELayer(nn.Module):
             return torch.tensor(T, dtype=torch.int64, device=device)
         return valid_T.bool().sum()
 
+    def pop_routing_stats(self) -> RoutingStats:
+        """The statistics of the training forwards since the last call (zeros if none), and reset them."""
+        st = self._routing_stats
+        self._routing_stats = None
+        if st is not None:
+            return st
+        dev = self.router.weight.device
+        zero_i, zero_f = torch.zeros((), dtype=torch.int64, device=dev), torch.zeros((), device=dev)
+        return RoutingStats(torch.zeros(self.num_experts, dtype=torch.int64, device=dev), zero_i, zero_i, zero_f,
+                            zero_f)
+
     def _record(self, routing: RoutingResult, valid_T: Optional[Tensor], T: int, device: torch.device) -> None:
-        if _in_backward():
+        if in_backward():
             # activation-checkpoint recomputation: the losses were already taken from the original forward
             return
         self.last_aux_loss = routing.aux_loss
@@ -141,3 +161,7 @@ class MoELayer(nn.Module):
             "num_dropped": dropped,
             "num_tokens": self._num_valid(valid_T, T, device),
         }
+        if self.training:
+            st = RoutingStats(tpe, dropped, self.last_stats["num_tokens"], routing.aux_loss.detach().float(),
+                              routing.z_loss.detach().float())
+            self._routing_stats = st if self._routing_stats is None else self._routing_stats + st

@@ -17,6 +17,7 @@ import torch.utils._pytree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_moe.autograd import in_backward
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.losses import (
     aux_loss_scores,
@@ -30,6 +31,9 @@ from lightning_moe.moe.losses import (
 )
 
 __all__ = ["RoutingResult", "TopKRouter", "group_limited_topk", "capacity_keep_mask"]
+
+# the reduction groups parallelize hands the router: a process group (None on one process)
+ReductionGroup = Optional["torch.distributed.ProcessGroup"]
 
 
 @dataclass
@@ -66,8 +70,8 @@ torch.utils._pytree.register_dataclass(RoutingResult)
 # ---- pure helpers ------------------------------------------------------------------------------------
 
 
-def _sum_over(t: Tensor, group: Any) -> Tensor:
-    """``t`` summed over ``group`` (a ProcessGroup or DeviceMesh); ``t`` itself when ``group`` is None.
+def _sum_over(t: Tensor, group: ReductionGroup) -> Tensor:
+    """``t`` summed over ``group``; ``t`` itself when ``group`` is None.
 
     For counts and normalisers only: no gradient flows through the reduction.
     """
@@ -77,12 +81,6 @@ def _sum_over(t: Tensor, group: Any) -> Tensor:
 
     out = funcol.all_reduce(t, "sum", group)
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs (e.g. activation-checkpoint recomputation of the forward)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
 
 
 def group_limited_topk(choice_TE: Tensor, k: int, num_groups: int, group_topk: int) -> Tensor:
@@ -172,11 +170,11 @@ class TopKRouter(nn.Module):
         else:
             self.register_buffer("expert_bias", None)
             self.register_buffer("bias_counts", None, persistent=False)
-        self.token_group: Any = None
-        self.global_group: Any = None
-        # data-parallel ranks whose per-micro-batch "aux"/"seq"/z losses are averaged (each rank's partial is
-        # divided by it, so the sum over ranks is layout-invariant); "global" is already normalised globally
-        self.dp_size = 1
+        self.token_group: ReductionGroup = None
+        self.global_group: ReductionGroup = None
+        # data shards whose per-micro-batch "aux"/"seq"/z losses are averaged (each rank's partial is divided by
+        # it, so the sum over ranks is layout-invariant); "global" is already normalised globally
+        self.num_data_shards = 1
         self.reset_parameters()
 
     def _apply(self, fn: Any, recurse: bool = True) -> "TopKRouter":
@@ -187,8 +185,9 @@ class TopKRouter(nn.Module):
         super()._apply(fn, recurse)
         for name, orig in saved.items():
             cur = self._parameters.get(name, self._buffers.get(name))
-            if cur is not None and cur.dtype != torch.float32 and not orig.is_meta:
-                fixed = orig.detach().to(device=cur.device)
+            if cur is not None and cur.dtype != torch.float32:
+                # exact values where they exist (a meta original has none: keep the new storage, in fp32)
+                fixed = cur.detach().float() if orig.is_meta and not cur.is_meta else orig.to(device=cur.device)
                 if name in self._parameters:
                     cur.data = fixed
                 else:
@@ -206,10 +205,6 @@ class TopKRouter(nn.Module):
         c = self.config
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
                 f"score_func={c.score_func}, expert_bias={c.expert_bias}")
-
-    @staticmethod
-    def _sum_over(t: Tensor, group: Any) -> Tensor:
-        return _sum_over(t, group)
 
     # ---- forward ------------------------------------------------------------------------------------
     def forward(
@@ -284,7 +279,7 @@ class TopKRouter(nn.Module):
             probs_TK = probs_TK * cfg.scaling_factor
 
         # expert-bias demand counts (training only; not again under checkpoint recomputation)
-        if self.bias_counts is not None and self.training and not _in_backward():
+        if self.bias_counts is not None and self.training and not in_backward():
             with torch.no_grad():
                 self.bias_counts.add_(expert_counts(ids_TK, E, valid_T).to(self.bias_counts.device))
 
@@ -337,13 +332,13 @@ class TopKRouter(nn.Module):
             if cfg.aux_loss_type == "seq":
                 B = T // seq_len
                 v_BS = None if valid_T is None else valid_T.reshape(B, seq_len)
-                counts_BE = self._sum_over(expert_counts(ids_TK.reshape(B, seq_len, k), E, v_BS), self.token_group)
+                counts_BE = _sum_over(expert_counts(ids_TK.reshape(B, seq_len, k), E, v_BS), self.token_group)
                 n_B = counts_BE.sum(-1) // k
                 num_tokens = n_B.sum()
                 aux = sequence_aux_loss(s_TE, counts_BE, n_B, k, cfg.aux_loss_coeff, seq_len, valid_T)
             else:
                 group = self.token_group if cfg.aux_loss_type == "aux" else self.global_group
-                counts_E = self._sum_over(expert_counts(ids_TK, E, valid_T), group)
+                counts_E = _sum_over(expert_counts(ids_TK, E, valid_T), group)
                 n = counts_E.sum() // k
                 if cfg.aux_loss_type == "aux":
                     num_tokens = n
@@ -353,23 +348,26 @@ class TopKRouter(nn.Module):
         if cfg.z_loss_coeff > 0:
             if num_tokens is None:
                 n_local = torch.tensor(T, device=logits_TE.device) if valid_T is None else valid_T.sum()
-                num_tokens = self._sum_over(n_local.long(), self.token_group)
+                num_tokens = _sum_over(n_local.long(), self.token_group)
             z = z_loss(logits_TE, cfg.z_loss_coeff, valid_T, num_tokens)
-        if self.dp_size > 1:
-            z = z / self.dp_size
+        if self.num_data_shards > 1:
+            z = z / self.num_data_shards
             if cfg.aux_loss_type in ("aux", "seq"):
-                aux = aux / self.dp_size
+                aux = aux / self.num_data_shards
         return aux, z, s_TE
 
     # ---- aux-loss-free balancing ----------------------------------------------------------------------
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
+    def update_expert_bias(self, counts_E: Optional[Tensor] = None) -> None:
         """Once per optimizer step: ``b_i += rate * sign(mean(n) - n_i)`` with the step's counts ``n`` summed
         over ``global_group`` (all micro-batches, all ranks), then reset the counts. No-op without
-        expert bias. Collective over ``global_group``: every rank must call it."""
+        expert bias. ``counts_E``: the step's counts already summed over every rank (the strategy's gradient
+        finalisation packs them into its one routing all-reduce); None = sum ``bias_counts`` over
+        ``global_group`` here (collective: every rank must call it)."""
         if self.expert_bias is None:
             return
-        counts_E = self._sum_over(self.bias_counts, self.global_group)
+        if counts_E is None:
+            counts_E = _sum_over(self.bias_counts, self.global_group)
         new_bias = expert_bias_update(self.expert_bias, counts_E, self.config.bias_update_rate)
         self.expert_bias.copy_(new_bias)
         self.bias_counts.zero_()

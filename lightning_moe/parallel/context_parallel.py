@@ -28,34 +28,14 @@ from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe.autograd import contiguous_grad
+from lightning_moe.parallel.collectives import all_gather, all_gather_autograd, wait
+
 __all__ = ["cp_shard_indices", "shard_batch_for_cp", "AllGatherKVAttention"]
 
-# torch >= 2.12 names the functional all-gather ``all_gather_single[_autograd]`` and deprecates the
-# ``all_gather_tensor[_autograd]`` spelling (a FutureWarning per call); torch 2.11 only has the latter.
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-
-
-def _wait(t: Tensor) -> Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: the all-gather's backward (a
-    reduce-scatter) requires a contiguous gradient on torch 2.11, and the gradient that reaches the gathered
-    tensor through the sequence-dim permute is not."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
 
 
 def cp_shard_indices(seq_len: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -156,7 +136,7 @@ class AllGatherKVAttention:
     def _gather_seq(self, x_BHSK: Tensor) -> Tensor:
         """All-gather along the sequence dim (dim 2); the functional gather concatenates along dim 0."""
         x_SBHK = x_BHSK.permute(2, 0, 1, 3).contiguous()
-        x_LBHK = _ContiguousGrad.apply(_wait(_all_gather_autograd(x_SBHK, 0, self.cp_group)))
+        x_LBHK = contiguous_grad(wait(all_gather_autograd(x_SBHK, 0, self.cp_group)))
         return x_LBHK.permute(1, 2, 0, 3)
 
     def __call__(self, q_BHSK: Tensor, k_BHSK: Tensor, v_BHSK: Tensor, mask: Optional[Tensor],
@@ -181,7 +161,7 @@ class AllGatherKVAttention:
         q_pos = positions_S.to(device=q_BHSK.device, dtype=torch.long)
         if self.cp_size > 1:
             k_BHLK, v_BHLK = self._gather_seq(k_BHSK), self._gather_seq(v_BHSK)
-            k_pos = _wait(_all_gather(q_pos.contiguous(), 0, self.cp_group))
+            k_pos = wait(all_gather(q_pos.contiguous(), 0, self.cp_group))
         else:
             k_BHLK, v_BHLK, k_pos = k_BHSK, v_BHSK, q_pos
         causal_SL = q_pos[:, None] >= k_pos[None, :]

@@ -121,15 +121,7 @@ class ParallelDims:
             self.world_size = self._infer_world_size()
         self._validate_sizes()
 
-    # ---- construction -----------------------------------------------------------------------------
-    @classmethod
-    def from_world(cls, world_size: int, **sizes: Any) -> "ParallelDims":
-        """``ParallelDims(world_size=W, **sizes)``; unknown size names are a ValueError listing the known ones."""
-        unknown = set(sizes) - set(_SIZE_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown parallel sizes {sorted(unknown)}; known: {list(_SIZE_FIELDS)}")
-        return cls(world_size=world_size, **sizes)
-
+    # ---- construction ---------------------------------------------------------------------------------
     @staticmethod
     def _infer_world_size() -> int:
         try:
@@ -247,7 +239,7 @@ class ParallelDims:
                     f"tp={tp} does not divide num_heads={H} (tensor parallel splits attention heads): "
                     f"choose tp in {_fmt_set(_divisors(math.gcd(H, self._replica)))}"
                 )
-            if getattr(cfg, "attention", "gqa") == "gqa" and cfg.num_kv_heads % tp != 0:
+            if cfg.attention != "mla" and cfg.num_kv_heads % tp != 0:
                 KV = cfg.num_kv_heads
                 raise ValueError(
                     f"tp={tp} does not divide num_kv_heads={KV} (GQA key/value heads are split over tp, not "
@@ -259,7 +251,7 @@ class ParallelDims:
                     f"tp={tp} does not divide hidden_size={D}: choose tp in "
                     f"{_fmt_set(_divisors(math.gcd(D, self._replica)))}"
                 )
-            has_dense_mlp = E == 0 or moe.first_k_dense > 0
+            has_dense_mlp = any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
             if has_dense_mlp and cfg.dense_hidden_size % tp != 0:
                 FD = cfg.dense_hidden_size
                 raise ValueError(
@@ -267,7 +259,7 @@ class ParallelDims:
                     f"in {_fmt_set(_divisors(math.gcd(FD, self._replica)))}"
                 )
             # shared experts stay whole on every tp rank (they see that rank's own sequence-parallel tokens)
-            if getattr(cfg, "attention", "gqa") == "mla":
+            if cfg.attention == "mla":
                 raise ValueError(
                     f"tp={tp} is not supported with MLA attention yet: set tp=1 and use ep, cp and FSDP (dp_shard) "
                     "for DeepSeek presets"
@@ -297,14 +289,9 @@ class ParallelDims:
         return (self.dp_replicate, self.edp_shard, self.ep, self.etp)
 
     @property
-    def batch_size_world(self) -> int:
-        """Number of distinct data shards: ``dp_replicate * dp_shard``."""
+    def num_data_shards(self) -> int:
+        """Number of distinct data shards (the batch view): ``dp_replicate * dp_shard``."""
         return self.dp_replicate * int(self.dp_shard)
-
-    @property
-    def dp_size(self) -> int:
-        """Alias of :attr:`batch_size_world`."""
-        return self.batch_size_world
 
     @property
     def token_group_size(self) -> int:
@@ -326,7 +313,7 @@ class ParallelDims:
 
     @property
     def dp_enabled(self) -> bool:
-        return self.batch_size_world > 1
+        return self.num_data_shards > 1
 
     @property
     def cp_enabled(self) -> bool:
@@ -374,7 +361,7 @@ class ParallelDims:
         return dict(zip(names, _unravel(rank, shape)))
 
     def batch_rank(self, global_rank: int) -> int:
-        """Index of the data shard ``global_rank`` reads, in ``[0, batch_size_world)``; tp/cp peers share it.
+        """Index of the data shard ``global_rank`` reads, in ``[0, num_data_shards)``; tp/cp peers share it.
 
         Pure arithmetic: ``dp_replicate_coord * dp_shard + dp_shard_coord`` of the dense view, i.e.
         ``global_rank // (cp * tp)``. ``ep`` and ``etp`` never change it.
@@ -420,7 +407,7 @@ class ParallelDims:
             f"  (dense params sharded over dp_shard*cp={dps * self.cp})",
             f"  expert: dp_replicate={self.dp_replicate} x edp_shard={self.edp_shard} x ep={self.ep} x etp={self.etp}"
             f"  (expert params sharded over edp_shard={self.edp_shard})",
-            f"  batch : dp_replicate={self.dp_replicate} x dp_shard={dps} = {self.batch_size_world} data shards"
+            f"  batch : dp_replicate={self.dp_replicate} x dp_shard={dps} = {self.num_data_shards} data shards"
             f" (cp*tp={self.token_group_size} ranks share each)",
         ]
         if self.world_size and self.world_size > 1 and (self.ep > 1 or self.etp > 1):
@@ -546,11 +533,6 @@ class ParallelDims:
     def dp_cp_mesh(self) -> "DeviceMesh":
         """1-D flattened ("dp_cp",): every rank holding distinct tokens, up to tp (loss token counts)."""
         return self.mesh("dp_cp")
-
-    @property
-    def world_mesh(self) -> "DeviceMesh":
-        """1-D flattened ("world",) of the dense view: every rank."""
-        return self.mesh("world")
 
     @property
     def token_group(self) -> Optional["ProcessGroup"]:

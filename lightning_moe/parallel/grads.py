@@ -93,7 +93,7 @@ def _grads(parameters: TensorOrTensors) -> list[torch.Tensor]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local tensor (no autograd: call under ``torch.no_grad``) of a DTensor, or the tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _check_norm_type(norm_type: float) -> float:
@@ -172,9 +172,9 @@ def global_norm(tensors: TensorOrTensors, norm_type: float = 2.0, *, foreach: Op
                 t = _resolve_partial(t)
             shard_dims = tuple(d for d, pl in enumerate(t.placements) if not pl.is_replicate())
             if not shard_dims:  # replicated everywhere: counted once, like a plain tensor
-                plain.append(t._local_tensor)
+                plain.append(t.to_local())
                 continue
-            groups.setdefault((t.device_mesh, shard_dims), []).append(t._local_tensor)
+            groups.setdefault((t.device_mesh, shard_dims), []).append(t.to_local())
 
         op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
         total = _local_stat(plain, p, out_device, foreach)
@@ -288,8 +288,6 @@ def all_reduce_grads(
     pg = _group_of(group)
     if dist.get_world_size(pg) == 1:
         return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     with torch.no_grad():
         local = [_local(g) for g in _grads(parameters)]
         for ts in _by_device_dtype(local).values():
@@ -306,7 +304,7 @@ def all_reduce_grads(
                 if len(bucket) == 1 and bucket[0].is_contiguous():
                     dist.all_reduce(bucket[0], group=pg)
                     continue
-                flat = _flatten_dense_tensors(bucket)
+                flat = torch.cat([t.reshape(-1) for t in bucket])
                 dist.all_reduce(flat, group=pg)
-                for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    t.copy_(reduced)
+                for t, reduced in zip(bucket, flat.split([t.numel() for t in bucket])):
+                    t.copy_(reduced.view_as(t))

@@ -14,7 +14,7 @@ strategy can do that once per optimizer step.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -24,9 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_moe.models.transformer import Attention, MoETransformer
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.layout import AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE
 
-AC_MODES = ("none", "full")
-DISPATCHERS = ("alltoall", "allgather")
 
 
 def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
@@ -43,7 +42,7 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
 
     cfg = model.config
     # ParallelDims.validate rejects MLA and qk_norm="full" with tp > 1 with the fix; here they are invariants
-    assert cfg.attention == "gqa" and cfg.qk_norm != "full", "layout not validated by ParallelDims"
+    assert cfg.attention != "mla" and cfg.qk_norm != "full", "layout not validated by ParallelDims"
     parallelize_module(
         model,
         tp_mesh,
@@ -61,10 +60,6 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
                 input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
                 use_local_output=True,
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
         }
         if block.is_moe:
@@ -76,14 +71,16 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
             if block.moe.shared_experts is not None:
                 sync.append(block.moe.shared_experts)
         else:
-            plan.update({
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            })
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+        # the split modules: parallel.layout's tables (plan counts per-GPU bytes from the same tables)
+        for name in TP_COLWISE:
+            if name.startswith("attention.") or not block.is_moe:
+                plan[name] = ColwiseParallel()
+        for name in TP_ROWWISE:
+            if name.startswith("attention.") or not block.is_moe:
+                plan[name] = RowwiseParallel(output_layouts=Shard(1))
         parallelize_module(block, tp_mesh, plan)
         attn = block.attention
         if isinstance(attn, Attention) and attn.qk_norm == "head":
@@ -140,7 +137,7 @@ def apply_router_groups(model: MoETransformer, dims: ParallelDims) -> None:
     for layer in model.moe_layers():
         layer.router.token_group = dims.token_group
         layer.router.global_group = dims.global_group
-        layer.router.dp_size = dims.batch_size_world
+        layer.router.num_data_shards = dims.num_data_shards
 
 
 def apply_ac(model: MoETransformer, mode: str = "full") -> None:
@@ -154,6 +151,22 @@ def apply_ac(model: MoETransformer, mode: str = "full") -> None:
 
     for key, block in list(model.layers.items()):
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def _expert_shard_placement(experts: nn.Module, edp: int) -> Callable[[nn.Parameter], Shard]:
+    """FSDP shard dim of the routed-expert weights: the local-expert dim when the local experts split evenly over
+    the edp ranks, else the hidden dim D (w1/w3 [e, F, D]: dim 2; w2 [e, D, F]: dim 1), so no rank is left without
+    a shard (e.g. Mixtral's 8 experts over 16 ranks with ep=1)."""
+    w2 = experts.w2
+    local_experts = (w2.to_local() if isinstance(w2, DTensor) else w2).shape[0]
+    even = local_experts % edp == 0
+
+    def placement(param: nn.Parameter) -> Shard:
+        if even:
+            return Shard(0)
+        return Shard(1) if param is w2 else Shard(2)
+
+    return placement
 
 
 def apply_fsdp(
@@ -170,12 +183,14 @@ def apply_fsdp(
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    edp = expert_mesh.size(expert_mesh.ndim - 1) if expert_mesh is not None else 1  # HSDP: the inner dim shards
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         ignored: set[nn.Parameter] = set()
         if inner.is_moe:
             if expert_mesh is not None:
-                fully_shard(inner.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+                fully_shard(inner.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                            shard_placement_fn=_expert_shard_placement(inner.moe.experts, edp))
             elif any(isinstance(p, DTensor) for p in inner.moe.experts.parameters()):
                 # experts split over every rank (ep x etp = W): nothing to shard or reduce, and their ep mesh
                 # must not meet the dense mesh in one FSDP group

@@ -1,27 +1,55 @@
 """MoEParallelStrategy: MoE Parallel Folding on DTensor meshes for the Lightning Trainer.
 
-A Lightning ``ModelParallelStrategy`` (launcher, DCP checkpoints, FSDP2 conventions) whose single 2-D mesh is
-replaced by :class:`~lightning_moe.parallel.ParallelDims`: one world, a dense view (dp_replicate x dp_shard x cp x
-tp), an expert view (dp_replicate x edp_shard x ep x etp) and a batch view (dp_replicate x dp_shard).
+A Lightning ``ParallelStrategy`` whose meshes are owned by :class:`~lightning_moe.parallel.ParallelDims`: one
+world, a dense view (dp_replicate x dp_shard x cp x tp), an expert view (dp_replicate x edp_shard x ep x etp) and a
+batch view (dp_replicate x dp_shard). Besides Lightning's strategy duties (processes, devices, collectives,
+checkpoint IO) it owns what makes MoE training exact under every layout:
+
+* the layout (``parallelize_model``, run by the module's build pipeline after the model transforms);
+* gradient finalisation (tp sync, 1/N token normalisation, routing reductions, expert-bias update) in
+  :meth:`optimizer_step`, between the last backward and any ``on_before_optimizer_step`` hook;
+* layout checks: sizes at Trainer construction, the model at setup, the batch at the first step, each a
+  ValueError naming the fix, before any collective runs on bad sizes;
+* checkpoints through torch.distributed.checkpoint with layout-independent keys (parameter names, global shapes)
+  and the optimizer state by parameter name.
+
+Registered in Lightning's strategy registry: ``Trainer(strategy="moe_parallel")`` is ``MoEParallelStrategy()``.
 """
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional, Union
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_moe.moe.router import TopKRouter
+from lightning_moe.checkpoint_io import SafeCheckpointIO, verify_dir_checksums, write_dir_checksums
+from lightning_moe.checkpointing import check_shapes, is_by_name, regroup
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.finalize import StepResult, finalize_module_step, finalizing_closure
 from lightning_moe.parallel.parallelize import AC_MODES, DISPATCHERS, parallelize
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
            "fp16": torch.float16, "float16": torch.float16}
+_META_FILE = "meta.pt"  # the non-tensor part of a distributed checkpoint (as Lightning's ModelParallelStrategy)
 
 
 def _dtype(name: Optional[str], what: str) -> Optional[torch.dtype]:
@@ -32,7 +60,7 @@ def _dtype(name: Optional[str], what: str) -> Optional[torch.dtype]:
     return _DTYPES[name]
 
 
-class MoEParallelStrategy(ModelParallelStrategy):
+class MoEParallelStrategy(ParallelStrategy):
     """Expert, tensor (with sequence parallel), context and fully sharded data parallelism for MoE models.
 
     Args:
@@ -46,7 +74,7 @@ class MoEParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: FSDP2 option.
         param_dtype, reduce_dtype: FSDP2 mixed precision (``"bf16"``, ``"fp32"``; None = the parameter dtype).
         activation_checkpointing: ``"none"`` or ``"full"`` (whole blocks).
-        save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint on rank 0.
+        save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint file written by rank 0.
         process_group_backend: None = nccl on CUDA, gloo on CPU.
         timeout: process group timeout.
     """
@@ -69,12 +97,10 @@ class MoEParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        **strategy_kwargs: Any,  # accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin
     ) -> None:
-        super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        strategy_kwargs.setdefault("checkpoint_io", SafeCheckpointIO())
+        super().__init__(**strategy_kwargs)
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
         if activation_checkpointing not in AC_MODES:
@@ -83,17 +109,180 @@ class MoEParallelStrategy(ModelParallelStrategy):
         for name, v in self._sizes.items():
             if name == "dp_shard" and v in ("auto", -1):
                 continue
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self._dispatcher = dispatcher
         self._reshard_after_forward = reshard_after_forward
         self._param_dtype = _dtype(param_dtype, "param_dtype")
         self._reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
         self._activation_checkpointing = activation_checkpointing
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._tp_sync_modules: list[nn.Module] = []
+        self._batch_checked = False
 
-    # ---- meshes ---------------------------------------------------------------------------------------
+    # ---- Lightning's strategy contract -------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model is parallelised in setup: load into its shards
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers by parameter name
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning's strategies choose their launcher by overriding this hook; there is no public one
+        from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self.cluster_environment is not None and self.parallel_devices:
+            # the Trainer's constructor gets here: a layout that cannot fit the world fails now, not after launch
+            self._dims()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the accelerator sets up the device
+        dims = self._dims()
+        module = self.lightning_module
+        if module is not None and hasattr(module, "config"):
+            # the model against the layout, before any process group is created
+            dims.validate(module.config, seq_len=None)
+            _check_model_layout(module.config, dims)
+        self._init_process_group()
+        dims.build_meshes(self.root_device.type)
+        self._parallel_dims = dims
+        if module is not None:
+            # LightningModule.device_mesh has no setter; Lightning's own ModelParallelStrategy sets it this way
+            module._device_mesh = dims.dense_mesh
+
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        env = self.cluster_environment
+        assert env is not None
+        os.environ.setdefault("MASTER_ADDR", env.main_address)
+        os.environ.setdefault("MASTER_PORT", str(env.main_port))
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        dist.init_process_group(backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        """The dense mesh (``dp_replicate, dp_shard, cp, tp``); :attr:`parallel_dims` has every view."""
+        return self.parallel_dims.dense_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dims = self.parallel_dims
+        # tp and cp peers read the same samples; ep never changes what a rank reads
+        return {"num_replicas": dims.num_data_shards, "rank": dims.batch_rank(self.global_rank)}
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        from lightning_moe.models.transformer import MoETransformer
+
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if not isinstance(getattr(module, "model", None), MoETransformer):
+            raise TypeError(
+                f"{type(self).__name__} trains lightning_moe.MoELanguageModel (or a subclass): its configure_model "
+                f"builds the parallel model; got {type(module).__name__}"
+            )
+        assert self.model is not None
+        self.model_to_device()  # anything not built by the pipeline (e.g. a user's extra module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # the build pipeline puts the model on meta and materialises it itself: only the precision's dtype here
+        with self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        if not isinstance(tensor, Tensor) or not dist.is_initialized():
+            return tensor
+        mean = reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"))
+        if isinstance(reduce_op, str) and not mean:
+            names = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            if reduce_op.lower() not in names:
+                raise ValueError(f"reduce_op must be 'mean', 'sum', 'max' or 'min', got {reduce_op!r}")
+            op = names[reduce_op.lower()]
+        else:
+            op = dist.ReduceOp.SUM if mean else reduce_op
+        out = tensor.float().clone() if mean else tensor.clone()
+        dist.all_reduce(out, op=op, group=group)
+        return out / dist.get_world_size(group) if mean else out
+
+    # ---- the layout ----------------------------------------------------------------------------------------
     @property
     def parallel_dims(self) -> ParallelDims:
         if self._parallel_dims is None:
@@ -106,62 +295,11 @@ class MoEParallelStrategy(ModelParallelStrategy):
             sizes["dp_shard"] = -1
         return ParallelDims(world_size=self.world_size, **sizes)
 
-    @override
-    def set_world_ranks(self) -> None:
-        super().set_world_ranks()
-        if self.cluster_environment is not None and self.parallel_devices:
-            # the Trainer's constructor gets here: a layout that cannot fit the world fails now, not after launch
-            self._dims()
+    def model_transforms(self) -> list[Callable[[nn.Module], Optional[nn.Module]]]:
+        """The strategy's own step of the build pipeline's transforms: the precision plugin converts the meta
+        model (a dtype cast under "bf16-true"; routing state stays fp32), before FSDP2 takes the parameters."""
+        return [self.precision_plugin.convert_module]
 
-    @override
-    def setup_environment(self) -> None:
-        # validate sizes and the model against them before any process group is created
-        dims = self._dims()
-        module = self.lightning_module
-        cfg = getattr(module, "config", None)
-        if cfg is not None:
-            dims.validate(cfg)
-        self._setup_distributed()
-        dims.build_meshes(self.root_device.type)
-        self._parallel_dims = dims
-        self._device_mesh = dims.dense_mesh
-        if module is not None:
-            module._device_mesh = dims.dense_mesh
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dims = self.parallel_dims
-        # tp and cp peers read the same samples; ep never changes what a rank reads
-        return {"num_replicas": dims.batch_size_world, "rank": dims.batch_rank(self.global_rank)}
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        # configure_model builds every parameter in the precision's dtype already (Lightning's init context);
-        # the second module.to(dtype) of Lightning's precision plugin would cast the fp32 routing state, which
-        # FSDP2 gives no way back from. Skip it, then check nothing was left in another dtype.
-        plugin = self.precision_plugin
-        plugin.convert_module = lambda module: module  # instance attribute shadows the method
-        try:
-            super().setup(trainer)
-        finally:
-            del plugin.convert_module
-        self._check_param_dtypes()
-
-    def _check_param_dtypes(self) -> None:
-        want = getattr(self.precision_plugin, "_desired_input_dtype", None)
-        if want is None or self.model is None:
-            return
-        routing = {id(p) for m in self.model.modules() if isinstance(m, TopKRouter) for p in m.parameters()}
-        wrong = [n for n, p in self.model.named_parameters()
-                 if p.is_floating_point() and id(p) not in routing and p.dtype != want]
-        if wrong:
-            raise ValueError(
-                f"parameters {wrong[:3]} are not {want} under precision {self.precision_plugin.precision!r}: "
-                "build the model inside configure_model (Lightning's init context sets the dtype there)"
-            )
-
-    # ---- hooks used by MoELanguageModel ---------------------------------------------------------------
     def parallelize_model(self, model: nn.Module) -> nn.Module:
         self._tp_sync_modules = parallelize(
             model,
@@ -177,30 +315,226 @@ class MoEParallelStrategy(ModelParallelStrategy):
     def reduce_token_sum(self, t: Tensor) -> Tensor:
         """Sum over the ranks holding distinct tokens of one micro-batch stream (dp_replicate x dp_shard x cp)."""
         dims = self.parallel_dims
-        if dims.batch_size_world * dims.cp == 1:
+        if dims.num_data_shards * dims.cp == 1:
             return t
-        group = dims.dp_cp_mesh.get_group()
         import torch.distributed._functional_collectives as funcol
 
-        return funcol.all_reduce(t, "sum", group)
-
-    def sync_replicated_grads(self) -> None:
-        """Sum the gradients of tp-replicated parameters that saw distinct (sequence-parallel) tokens."""
-        if not self._tp_sync_modules:
-            return
-        from lightning_moe.parallel.grads import all_reduce_grads
-
-        params = [p for m in self._tp_sync_modules for p in m.parameters() if p.grad is not None]
-        all_reduce_grads(params, self.parallel_dims.tp_mesh.get_group())
+        return funcol.all_reduce(t, "sum", dims.dp_cp_mesh.get_group())
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This rank's part of a (labelled) batch: the load-balanced context-parallel chunks and their positions."""
+        """This rank's part of a (labelled) batch: the load-balanced context-parallel chunks and their positions.
+        The first batch is checked against the layout before any collective runs."""
         dims = self.parallel_dims
-        seq_len = batch["input_ids"].shape[1]
-        if dims.tp_enabled and seq_len % dims.tp:
-            raise ValueError(f"sequence length {seq_len} must be divisible by tp={dims.tp} (sequence parallel)")
+        if not self._batch_checked:
+            _check_batch_layout(batch, dims, self.lightning_module.config)
+            self._batch_checked = True
+        _check_padding(batch, dims)
         if not dims.cp_enabled:
             return batch
         from lightning_moe.parallel.context_parallel import shard_batch_for_cp
 
         return shard_batch_for_cp(batch, dims.cp, dims.cp_mesh.get_local_rank())
+
+    # ---- gradient finalisation -------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union["pl.LightningModule", nn.Module]] = None, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        return super().optimizer_step(optimizer, finalizing_closure(closure, partial(self.finalize_gradients, module)),
+                                      model, **kwargs)
+
+    def finalize_gradients(self, module: "pl.LightningModule") -> StepResult:
+        """Finalise the step's gradients (see :mod:`lightning_moe.parallel.finalize`) with this layout's groups."""
+        dims = self.parallel_dims
+        return finalize_module_step(
+            module,
+            tp_sync_modules=self._tp_sync_modules,
+            tp_group=dims.tp_mesh.get_group() if dims.tp_enabled else None,
+            global_group=dims.global_group,
+        )
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict by parameter name: sharded DTensors (distributed checkpoint) or full tensors
+        (on rank 0, ``save_distributed_checkpoint=False``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        opts = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint already loaded the weights into the shards
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state by parameter name (``{"state": {name: ...}, "param_groups": [...]}``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        assert self.model is not None
+        opts = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, inner, options=opts)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint already restored the optimizers
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, Path],
+                        storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        if not self._save_distributed_checkpoint:
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, path)
+            self.barrier()
+            return
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+
+        if path.is_file():
+            raise FileExistsError(f"{path} is a file; a distributed checkpoint is a directory: choose another path")
+        # written under PATH.tmp and renamed into place: a failure or a kill during the save leaves the previous
+        # checkpoint at PATH complete
+        tmp = path.with_name(path.name + ".tmp")
+        if self.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp)
+        self.barrier()
+        tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        groups = []
+        for i, osd in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = {"state": osd["state"]}
+            groups.append(osd["param_groups"])  # names and hyper-parameters: plain data, in the metadata file
+        checkpoint["optimizer_param_groups"] = groups
+        dcp.save(tensors, checkpoint_id=str(tmp))
+        if self.is_global_zero:
+            torch.save(checkpoint, tmp / _META_FILE)
+        self.barrier()
+        write_dir_checksums(tmp, self.global_rank, self.world_size, self._all_gather_object)
+        if self.is_global_zero:
+            old = path.with_name(path.name + ".old")
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if old.exists():
+                shutil.rmtree(old)
+        self.barrier()
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load weights and optimizer states into this layout's shards by parameter name, from a distributed
+        checkpoint (a directory, any layout) or a single file (e.g. written by one process); returns the rest of
+        the checkpoint (loops, schedulers, callbacks, hyper-parameters) for Lightning."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        if path.is_dir():
+            import torch.distributed.checkpoint as dcp
+
+            verify_dir_checksums(path, self.global_rank, self.world_size, self._all_gather_object)
+            meta = torch.load(path / _META_FILE, weights_only=True, map_location="cpu")
+            template = get_model_state_dict(self.model)
+            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            check_shapes({k: tuple(v.shape) for k, v in template.items()},
+                         {k.removeprefix("state_dict."): tuple(m.size) for k, m in saved.items()
+                          if k.startswith("state_dict.") and hasattr(m, "size")}, str(path), strict=strict)
+            state: dict[str, Any] = {"state_dict": template}
+            for i, opt in enumerate(optimizers):
+                state[f"optimizer_{i}"] = {"state": get_optimizer_state_dict(self.model, opt)["state"]}
+            if not optimizers:
+                state = {"state_dict": state["state_dict"]}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
+            saved_groups = meta.pop("optimizer_param_groups", [])
+            for i, opt in enumerate(optimizers):
+                osd = {"state": state[f"optimizer_{i}"]["state"],
+                       "param_groups": regroup(saved_groups[i], opt, self.model)}
+                set_optimizer_state_dict(self.model, opt, osd)
+            return meta
+        ckpt = self.checkpoint_io.load_checkpoint(path) if isinstance(self.checkpoint_io, SafeCheckpointIO) else (
+            torch.load(path, weights_only=True, map_location="cpu"))
+        check_shapes({k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()},
+                     {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()}, str(path), strict=strict)
+        full = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.model, dict(ckpt.pop("state_dict")), options=full)  # a copy: set_* rewrites it
+        for opt, osd in zip(optimizers, ckpt.pop("optimizer_states", [])):
+            if not is_by_name(osd):
+                raise ValueError(f"{path}: its optimizer state is keyed by position, not by parameter name; it was "
+                                 "not written by lightning_moe and cannot be mapped onto this layout")
+            osd = {"state": dict(osd["state"]), "param_groups": regroup(osd["param_groups"], opt, self.model)}
+            set_optimizer_state_dict(self.model, opt, osd, options=full)
+        return ckpt
+
+
+def _check_model_layout(config: Any, dims: ParallelDims) -> None:
+    """Model/layout combinations that the layout cannot run (ValueError naming the fix)."""
+    if dims.tp_enabled and config.tie_embeddings:
+        raise ValueError(
+            f"tie_embeddings=True cannot be combined with tp={dims.tp}: the tied weight would be row-split for the "
+            "embedding and column-split for the LM head at once. Set tie_embeddings=False or tp=1"
+        )
+
+
+def _check_batch_layout(batch: Mapping[str, Any], dims: ParallelDims, config: Any) -> None:
+    """The first batch against the layout: its sequence length (cp chunks, sequence-parallel split) and, for
+    pad_to_capacity under ep, that it holds as many tokens as every other rank's will."""
+    ids = batch["input_ids"]
+    seq_len = int(ids.shape[1])
+    dims.validate(seq_len=seq_len)
+    if seq_len > config.max_seq_len:
+        raise ValueError(f"the batch's sequence length {seq_len} exceeds the model's max_seq_len="
+                         f"{config.max_seq_len}: lower the data's seq_len or raise max_seq_len")
+    if config.moe.pad_to_capacity and dims.ep_enabled:
+        # static all-to-all splits: every rank of the ep group must route the same number of tokens
+        tokens = torch.tensor([ids.numel()], device=ids.device)
+        group = dims.ep_mesh.get_group()
+        gathered = [torch.empty_like(tokens) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tokens, group=group)
+        counts = [int(t) for t in gathered]
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"moe.pad_to_capacity under ep={dims.ep} needs the same number of tokens on every rank, but the "
+                f"ranks of this ep group hold {counts}: use equal micro-batches (drop_last=True) or set "
+                "pad_to_capacity=False"
+            )
+
+
+def _check_padding(batch: Mapping[str, Any], dims: ParallelDims) -> None:
+    mask = batch.get("attention_mask")
+    if mask is None or not (dims.tp_enabled or dims.cp_enabled):
+        return
+    if not bool(mask.bool().all()):
+        raise ValueError(
+            f"padded batches (attention_mask with zeros) are not supported with tp={dims.tp} / cp={dims.cp} yet: "
+            "pack the data without padding (TextDataModule does), or use tp=1 and cp=1 for padded data"
+        )
+
+
+StrategyRegistry.register(
+    MoEParallelStrategy.strategy_name,
+    MoEParallelStrategy,
+    description="MoE Parallel Folding (lightning_moe): FSDP2/HSDP, TP+SP, CP, EP/ETP on one world",
+)

@@ -1,0 +1,91 @@
+"""Component registry: which class builds each part of the model, chosen by name from the config.
+
+Kinds and the config field that names the component (defaults in brackets):
+
+==================  ==============================  =========================================================
+kind                config field                    built with
+==================  ==============================  =========================================================
+``attention``       ``ModelConfig.attention``       ``(cfg: ModelConfig)``  ["gqa"; also "mla"]
+``mlp``             ``ModelConfig.mlp``             ``(dim, hidden_dim)``  dense layers ["swiglu"]
+``router``          ``MoEConfig.router``            ``(moe: MoEConfig, hidden_size, init_std=)``  ["topk"]
+``experts``         ``MoEConfig.experts``           ``(num_experts, dim, hidden_dim, init_std=, out_init_std=)``
+                                                    ["grouped_mm"; "loop" is the per-expert reference]
+``shared_experts``  ``MoEConfig.shared_experts``    ``(dim, hidden_dim, gate=, init_std=, out_init_std=)`` ["swiglu"]
+==================  ==============================  =========================================================
+
+Register your own before building the model (``register("experts", "my_fp8", MyExperts)``), then name it in the
+config. Parallelisation (``lightning_moe.parallel.parallelize``) relies on the parameter names of the built-in
+classes (``wq``/``wk``/``wv``/``wo``, ``w1``/``w2``/``w3``, ``weight``): a replacement that keeps them (e.g. a
+subclass) works under every layout. Transforms that wrap or swap modules of a built model belong to the build
+pipeline instead (:func:`lightning_moe.build.build_model`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+__all__ = ["KINDS", "register", "build", "names"]
+
+KINDS = ("attention", "mlp", "router", "experts", "shared_experts")
+_REGISTRY: dict[str, dict[str, Callable[..., nn.Module]]] = {kind: {} for kind in KINDS}
+_defaults_loaded = False
+
+
+def _load_defaults() -> None:
+    global _defaults_loaded
+    if _defaults_loaded:
+        return
+    _defaults_loaded = True
+    # imported here: the model modules build through this registry
+    from lightning_moe.models.transformer import Attention, FeedForward, MLAttention
+    from lightning_moe.moe.experts import GroupedExperts, SharedExperts
+    from lightning_moe.moe.router import TopKRouter
+
+    def loop_experts(*args: Any, **kwargs: Any) -> nn.Module:
+        return GroupedExperts(*args, use_grouped_mm=False, **kwargs)
+
+    for kind, name, factory in (
+        ("attention", "gqa", Attention), ("attention", "mla", MLAttention), ("mlp", "swiglu", FeedForward),
+        ("router", "topk", TopKRouter), ("experts", "grouped_mm", GroupedExperts), ("experts", "loop", loop_experts),
+        ("shared_experts", "swiglu", SharedExperts),
+    ):
+        _REGISTRY[kind].setdefault(name, factory)
+
+
+def _check_kind(kind: str) -> dict[str, Callable[..., nn.Module]]:
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown component kind {kind!r}; known kinds: {', '.join(KINDS)}")
+    _load_defaults()
+    return _REGISTRY[kind]
+
+
+def register(kind: str, name: str, factory: Optional[Callable[..., nn.Module]] = None, *, overwrite: bool = False):
+    """Register ``factory`` (a class or a function returning a module) as component ``name`` of ``kind``. Usable as
+    a decorator: ``@register("experts", "mine")``."""
+    table = _check_kind(kind)
+
+    def add(f: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in table and table[name] is not f and not overwrite:
+            raise ValueError(f"{kind} {name!r} is already registered; pass overwrite=True to replace it")
+        table[name] = f
+        return f
+
+    return add if factory is None else add(factory)
+
+
+def names(kind: str) -> list[str]:
+    return sorted(_check_kind(kind))
+
+
+def build(kind: str, name: str, *args: Any, **kwargs: Any) -> nn.Module:
+    """Instantiate component ``name`` of ``kind``; an unknown name is a ValueError listing the registered ones."""
+    table = _check_kind(kind)
+    if name not in table:
+        close = difflib.get_close_matches(str(name), list(table), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown {kind} {name!r}{hint}; registered: {', '.join(sorted(table))} "
+                         f"(add your own with lightning_moe.models.registry.register)")
+    return table[name](*args, **kwargs)
