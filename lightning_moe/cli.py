@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_moe.checkpointing import accept_state_by_name
 from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
 from lightning_moe.data import TextDataModule
 from lightning_moe.module import MoELanguageModel
@@ -276,7 +277,13 @@ def _normalize_strategy(value: Any, previous: Any) -> Any:
 
         from lightning_moe.strategies import MoEParallelStrategy
 
-        params = [p for p in inspect.signature(MoEParallelStrategy.__init__).parameters if p != "self"]
+        params: list[str] = []
+        for klass in MoEParallelStrategy.__mro__:  # **kwargs pass on to the base classes' arguments
+            signature = inspect.signature(klass.__init__).parameters.values()
+            params += [p.name for p in signature if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                       and p.name != "self" and p.name not in params]
+            if not any(p.kind == p.VAR_KEYWORD for p in signature):
+                break
         key = str(value.key).removeprefix("init_args.")
         if key not in params:
             hint = difflib.get_close_matches(key, params, n=1)
@@ -359,6 +366,7 @@ class MoECLI(LightningCLI):
                     f"set model.config.vocab_size >= {vocab}"
                 )
             dm.setup(stage)  # read and check the data now: a bad file is a usage error, not a traceback mid-run
+            dm.check_limits()
         except UsageError:
             raise
         except (ValueError, OSError, ImportError) as e:
@@ -399,6 +407,7 @@ def _build_optimizers(model: Any, optimizer_init: dict[str, Any], scheduler_init
     groups = [{"params": g["params"], **({"weight_decay": 0.0} if g.get("weight_decay") == 0.0 else {})}
               for g in base.param_groups]
     optimizer = instantiate_class(groups, optimizer_init)
+    accept_state_by_name(optimizer, model)  # resumes from optimizer states saved by parameter name, as AdamW does
     if scheduler_init:
         scheduler = instantiate_class(optimizer, scheduler_init)
         if isinstance(scheduler, __import__("torch").optim.lr_scheduler.ReduceLROnPlateau):
@@ -584,8 +593,9 @@ def _quiet_third_party_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropTips) for f in logger.filters):
             logger.addFilter(_DropTips())
-    # LightningCLI's SaveConfigCallback uses a jsonargparse argument deprecated in 4.49 (nothing a user can change)
-    warnings.filterwarnings("ignore", message=r"[\s\S]*skip_none parameter was deprecated")
+    # LightningCLI's own calls of jsonargparse functions deprecated in 4.49 (skip_none, add_instantiator,
+    # instantiate_classes): nothing a user of the command line can change
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"lightning\.pytorch\.cli")
     # counts batches per epoch while logging counts steps across epochs: wrong for step-based runs on small data
     warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
     # the module initialises CPU-sharded models from an unsharded copy: the DTensor RNG is not relied on

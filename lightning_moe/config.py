@@ -462,7 +462,8 @@ def _type_name(tp: Any) -> str:
     if dataclasses.is_dataclass(tp):
         return f"a mapping of {tp.__name__} fields"
     if origin is list:
-        return f"a list of {_type_name((typing.get_args(tp) or (Any,))[0])}"
+        item = (typing.get_args(tp) or (Any,))[0]
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(item, str(item))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
