@@ -384,18 +384,13 @@ class MoECLI(LightningCLI):
             rank_zero_info(f"Metrics go to CSV files under {logger.root_dir} (`pip install tensorboard` for "
                            "TensorBoard logs, or choose one with --trainer.logger)")
 
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        if self.subcommand is not None:  # data and model are built: check them before the Trainer starts anything
+            self._check_data_and_model(self.subcommand)
+        return super().instantiate_trainer(**kwargs)
+
     def before_fit(self) -> None:
-        self._check_data_and_model("fit")
         self._announce_default_logger()
-
-    def before_validate(self) -> None:
-        self._check_data_and_model("validate")
-
-    def before_test(self) -> None:
-        self._check_data_and_model("test")
-
-    def before_predict(self) -> None:
-        self._check_data_and_model("predict")
 
 
 def _build_optimizers(model: Any, optimizer_init: dict[str, Any], scheduler_init: Optional[dict[str, Any]]) -> Any:

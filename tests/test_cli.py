@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import json
 import math
 import os
 import re
@@ -198,6 +199,39 @@ def test_data_files_takes_one_path_a_directory_or_a_list(tmp_path):
         finally:
             sys.argv = saved
         assert cli.datamodule.files == files
+
+
+def test_own_data_with_a_local_hf_tokenizer(tmp_path, capsys):
+    """docs/own_data.md: compressed JSON Lines in a directory, a local Hugging Face tokenizer, the model's vocabulary
+    raised from the command line."""
+    import gzip
+
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["my own text about experts and routers"] * 20, trainer)
+    tok_dir = tmp_path / "my_tokenizer"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(str(tok_dir))
+    n_tokens = len(transformers.AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True))
+    assert n_tokens > 260
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = "".join(json.dumps({"text": f"my own text number {i} about experts"}) + "\n" for i in range(400))
+    (data / "train.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    common = ["fit", "--config", TINY, "--data.files", str(data), "--data.tokenizer", str(tok_dir),
+              "--data.seq_len=64", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+              "--trainer.limit_val_batches=1",
+              "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}",
+              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    assert _run(common) == 2
+    assert f"set model.config.vocab_size >= {n_tokens}" in capsys.readouterr().err
+    assert _run([*common, "--model.config.vocab_size", str(n_tokens)]) == 0
+    ckpt = glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
+    cfg = ModelConfig.from_dict(torch.load(ckpt[0], weights_only=True)["hyper_parameters"]["config"])
+    assert cfg == ModelConfig.from_preset("tiny", vocab_size=n_tokens)
 
 
 def test_validation_interval_longer_than_the_epoch_is_no_error(tmp_path):
