@@ -92,7 +92,7 @@ def _distill(message: str, parser: Any) -> str:
         key = flag.split("=", 1)[0]
         hint = difflib.get_close_matches(key, _option_names(parser), n=1, cutoff=0.6)
         return f"unknown option {key}" + (f" (did you mean {hint[0]}?)" if hint else "") + \
-            f"; see `{parser.prog} --help`"
+            f"; see `{parser.prog.replace(' [options]', '')} --help`"
     lines = [line.strip() for line in msg.splitlines() if line.strip()]
     key = next((line.split('"')[1] for line in lines if line.startswith('Parser key "')), None)
     given = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Given value:")), None)
@@ -197,7 +197,7 @@ def _model_config_from_value(value: Any, previous: Any, where: str = "model.conf
             node = node.setdefault(part, {})
         node[parts[-1]] = _parse_scalar(raw)
         # fields is complete and carries no preset key: the overrides apply to it, then everything is validated
-        merged = _deep_update(fields, overrides, where)
+        merged = _deep_update(fields, overrides)
         return resolve_model_config(merged, where).to_dict()
     if value is None:
         return None  # MoELanguageModel's default: the tiny preset, or the config of `pretrained`
@@ -227,11 +227,11 @@ def _model_config_from_value(value: Any, previous: Any, where: str = "model.conf
     return resolve_model_config(_dataclass_fields(value), where).to_dict()
 
 
-def _deep_update(base: dict[str, Any], overrides: dict[str, Any], where: str) -> dict[str, Any]:
+def _deep_update(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in overrides.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_update(out[k], v, f"{where}.{k}")
+            out[k] = _deep_update(out[k], v)
         else:
             out[k] = v
     return out
@@ -247,7 +247,10 @@ def _find_action(parser: Any, dest: str) -> Any:
 def _wrap_check_type(action: Any, normalize: Callable[[Any, Any], Any]) -> None:
     """Make a jsonargparse action normalise every value it receives (command line, config files, defaults) before
     its own type check; errors from ``normalize`` surface as UsageError."""
+    import inspect
+
     original = action._check_type
+    accepted = set(inspect.signature(original).parameters)  # `mode` is newer than jsonargparse 4.39
 
     def _check_type(value, append=False, cfg=None, mode=None):
         previous = cfg.get(action.dest) if cfg is not None else None
@@ -259,7 +262,8 @@ def _wrap_check_type(action: Any, normalize: Callable[[Any, Any], Any]) -> None:
             raise
         except ValueError as e:
             raise UsageError(str(e)) from e
-        return original(value, append=append, cfg=cfg if _is_nested_arg(value) else None, mode=mode)
+        kwargs = {"append": append, "cfg": cfg if _is_nested_arg(value) else None, "mode": mode}
+        return original(value, **{k: v for k, v in kwargs.items() if k in accepted})
 
     action._check_type = _check_type
 
@@ -309,6 +313,10 @@ class MoECLI(LightningCLI):
         kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        kwargs.setdefault("prog", PROG)  # not the module file name under `python -m lightning_moe.cli`
+        return super().init_parser(**kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # LightningCLI warns when both `args` and sys.argv are given; main() passes sys.argv on purpose
@@ -395,8 +403,11 @@ class MoECLI(LightningCLI):
 
 def _build_optimizers(model: Any, optimizer_init: dict[str, Any], scheduler_init: Optional[dict[str, Any]]) -> Any:
     """The user's optimizer over the model's own parameter groups (no weight decay on norms, biases and embeddings;
-    DTensor and plain parameters apart), with ``--lr_scheduler`` or else the model's warmup-cosine schedule."""
-    default = type(model).configure_optimizers(model)
+    the others take the optimizer's ``weight_decay``), with ``--lr_scheduler`` or else the model's warmup-cosine
+    schedule (model.warmup_steps, model.min_lr_ratio, model.max_steps)."""
+    import torch
+
+    default = type(model).configure_optimizers(model)  # the groups and the schedule of the default AdamW
     base = default["optimizer"] if isinstance(default, dict) else default
     base_schedule = default.get("lr_scheduler") if isinstance(default, dict) else None
     groups = [{"params": g["params"], **({"weight_decay": 0.0} if g.get("weight_decay") == 0.0 else {})}
@@ -405,14 +416,12 @@ def _build_optimizers(model: Any, optimizer_init: dict[str, Any], scheduler_init
     accept_state_by_name(optimizer, model)  # resumes from optimizer states saved by parameter name, as AdamW does
     if scheduler_init:
         scheduler = instantiate_class(optimizer, scheduler_init)
-        if isinstance(scheduler, __import__("torch").optim.lr_scheduler.ReduceLROnPlateau):
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-    import torch
-
-    sched = base_schedule.get("scheduler") if isinstance(base_schedule, dict) else base_schedule
-    if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, sched.lr_lambdas[0])
+    schedule = base_schedule.get("scheduler") if isinstance(base_schedule, dict) else base_schedule
+    if isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambdas[0])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
     return optimizer
 
@@ -441,7 +450,7 @@ def _plan_settings_from_yaml(path: str) -> dict[str, Any]:
         doc = yaml.safe_load(f) or {}
     model = doc.get("model") or {}
     cfg_spec = model.get("config", "tiny") if isinstance(model, dict) else "tiny"
-    cfg = ModelConfig(**_model_config_from_value(cfg_spec or "tiny", None))
+    cfg = ModelConfig.from_dict(_model_config_from_value(cfg_spec or "tiny", None))
     name = cfg_spec if isinstance(cfg_spec, str) else f"{path} (model.config)"
     trainer = doc.get("trainer") or {}
     devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
