@@ -8,10 +8,12 @@ raises ``ValueError`` with the fix in the message, at construction.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
-__all__ = ["MoEConfig", "ModelConfig", "PRESETS", "preset_names", "YaRNScaling"]
+__all__ = ["MoEConfig", "ModelConfig", "PRESETS", "preset_names", "resolve_model_config", "YaRNScaling"]
 
 
 @dataclass
@@ -202,9 +204,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         # YAML and checkpoints give nested configs as dicts.
         if isinstance(self.moe, dict):
-            self.moe = MoEConfig(**self.moe)
+            self.moe = _build(MoEConfig, self.moe, "moe")
         if isinstance(self.rope_scaling, dict):
-            self.rope_scaling = YaRNScaling(**self.rope_scaling)
+            self.rope_scaling = _build(YaRNScaling, self.rope_scaling, "rope_scaling")
         if self.head_dim is None and self.num_heads > 0:
             self.head_dim = self.hidden_size // self.num_heads
         self.validate()
@@ -259,16 +261,9 @@ class ModelConfig:
     # ---- presets and serialisation ---------------------------------------------------------------
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
-        """A named preset; keyword overrides replace fields (``moe`` may be a dict of MoE overrides)."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
-        cfg = PRESETS[name]()
-        moe_over = overrides.pop("moe", None)
-        if moe_over:
-            if isinstance(moe_over, MoEConfig):
-                moe_over = dataclasses.asdict(moe_over)
-            overrides["moe"] = dataclasses.replace(cfg.moe, **moe_over)
-        return dataclasses.replace(cfg, **overrides) if overrides else cfg
+        """A named preset; keyword overrides replace fields. ``moe`` / ``rope_scaling`` may be dicts of overrides
+        (merged into the preset's nested config) or whole ``MoEConfig`` / ``YaRNScaling`` objects."""
+        return resolve_model_config({"preset": name, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, nested dict (safe for ``torch.load(weights_only=True)`` checkpoints)."""
@@ -276,12 +271,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
+        """Inverse of :meth:`to_dict`. Fields absent from ``d`` take the dataclass defaults, or the values of the
+        preset named by an optional ``"preset"`` key. Unknown keys (at any nesting) are a ValueError."""
+        return resolve_model_config(dict(d))
 
     # ---- parameter accounting ---------------------------------------------------------------------
     def param_breakdown(self) -> dict[str, dict[str, int]]:
@@ -433,3 +425,148 @@ PRESETS = {
 
 def preset_names() -> list[str]:
     return sorted(PRESETS)
+
+
+# ---- resolving specs: preset names, dicts of fields with an optional "preset" key -----------------------------------
+
+_NESTED = {"moe": MoEConfig, "rope_scaling": YaRNScaling}
+
+
+def _close(word: Any, choices: Any) -> str:
+    """' (did you mean X?)' for the closest of ``choices`` (difflib, else the one ``word`` begins), or ''."""
+    choices = [str(c) for c in choices]
+    match = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    if not match and str(word):
+        match = [c for c in choices if c.startswith(str(word))][:1]
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _unknown_preset(name: Any, where: str) -> ValueError:
+    return ValueError(
+        f"{where}: unknown preset {name!r}{_close(name, PRESETS)}; known presets: {', '.join(preset_names())}"
+    )
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {tp.__name__} fields"
+    if origin is list:
+        item = (typing.get_args(tp) or (Any,))[0]
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(item, str(item))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _check_value(value: Any, tp: Any, key: str) -> Any:
+    """``value`` checked against the field type ``tp`` (ints are accepted for floats); raises ValueError naming the
+    key and what is allowed."""
+    origin = typing.get_origin(tp)
+    ok = False
+    if origin is Union:
+        for arg in typing.get_args(tp):
+            try:
+                return _check_value(value, arg, key)
+            except ValueError:
+                continue
+    elif origin is Literal:
+        ok = value in typing.get_args(tp)
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp) or (Any,)
+            return [v if item is Any else _check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif tp is type(None):
+        ok = value is None
+    elif tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        ok = isinstance(value, str)
+    elif dataclasses.is_dataclass(tp):
+        ok = isinstance(value, (dict, tp))
+    else:  # pragma: no cover - every field type is listed above
+        ok = True
+    if not ok:
+        raise ValueError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _merge(cls: type, base: dict[str, Any], overrides: dict[str, Any], where: str) -> dict[str, Any]:
+    """``base`` (a complete ``asdict`` of ``cls``) updated by ``overrides``; nested dataclass fields merge key by
+    key. Unknown keys and values of the wrong type are a ValueError naming the key."""
+    types = _field_types(cls)
+    out = dict(base)
+    for key, value in overrides.items():
+        path = f"{where}.{key}"
+        if key not in types:
+            raise ValueError(
+                f"unknown key {path!r}{_close(key, types)}; {cls.__name__} keys: {', '.join(types)}"
+            )
+        nested = _NESTED.get(key) if cls is ModelConfig else None
+        if nested is not None and value is not None:
+            if isinstance(value, nested):
+                value = dataclasses.asdict(value)
+            if not isinstance(value, dict):
+                raise ValueError(f"{path} must be a mapping of {nested.__name__} fields or null, got {value!r}")
+            start = out.get(key)
+            if start is None:
+                start = dataclasses.asdict(nested())
+            out[key] = _merge(nested, start, value, path)
+        else:
+            out[key] = _check_value(value, types[key], path)
+    return out
+
+
+def _build(cls: type, d: dict[str, Any], where: str) -> Any:
+    """``cls(**d)`` for MoEConfig / YaRNScaling, unknown keys and wrong types reported as ValueError (missing keys
+    take the defaults)."""
+    return cls(**_merge(cls, dataclasses.asdict(cls()), d, where))
+
+
+def resolve_model_config(spec: Union["ModelConfig", str, dict[str, Any]], where: str = "config") -> "ModelConfig":
+    """A ModelConfig from any of the accepted forms:
+
+    - a ``ModelConfig`` (returned as is);
+    - a preset name, e.g. ``"qwen3_moe_30b_a3b"``;
+    - a dict of fields, with an optional ``"preset"`` key: the preset's fields (or the dataclass defaults without
+      one) updated by the others. Nested ``moe`` / ``rope_scaling`` dicts update the preset's nested config key by
+      key: ``{"preset": "qwen3_moe_30b_a3b", "num_layers": 2, "moe": {"top_k": 4}}``.
+
+    Unknown preset names, unknown keys at any nesting and values of the wrong type raise a ValueError that names the
+    key (prefixed by ``where``), what is allowed and a close match; invalid combinations raise the dataclasses'
+    own ValueErrors.
+    """
+    if isinstance(spec, ModelConfig):
+        return spec
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise _unknown_preset(spec, where)
+        return PRESETS[spec]()
+    if not isinstance(spec, dict):
+        raise ValueError(
+            f"{where} must be a preset name ({', '.join(preset_names())}), a ModelConfig or a mapping of its fields "
+            f"(optionally with a 'preset' key), got {type(spec).__name__}: {spec!r}"
+        )
+    overrides = dict(spec)
+    preset = overrides.pop("preset", None)
+    if preset is None:
+        base_dict = ModelConfig().to_dict()  # the dataclass defaults
+        base_dict["head_dim"] = None  # derived from hidden_size / num_heads unless given
+    else:
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise _unknown_preset(preset, f"{where}.preset")
+        base_dict = PRESETS[preset]().to_dict()
+    return ModelConfig(**_merge(ModelConfig, base_dict, overrides, where))

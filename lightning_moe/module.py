@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.build import ModelTransform, build_model
 from lightning_moe.checkpointing import accept_state_by_name, optimizer_state_by_name
-from lightning_moe.config import ModelConfig
+from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.transformer import MoETransformer
 from lightning_moe.optim import AdamW
 from lightning_moe.parallel.finalize import StepResult, StepTotals, finalize_module_step, finalizing_closure
@@ -56,13 +56,8 @@ def _load_unsharded_init(model: MoETransformer, config: ModelConfig, seed: int) 
 
 
 def _resolve_config(config: Union[ModelConfig, str, dict]) -> ModelConfig:
-    if isinstance(config, ModelConfig):
-        return config
-    if isinstance(config, str):
-        return ModelConfig.from_preset(config)
-    if isinstance(config, dict):
-        return ModelConfig.from_dict(config)
-    raise ValueError(f"config must be a ModelConfig, a preset name or a dict, got {type(config).__name__}")
+    """A ModelConfig, a preset name, or a dict of fields with an optional "preset" key (see resolve_model_config)."""
+    return resolve_model_config(config)
 
 
 def shift_labels(input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None) -> Tensor:
@@ -87,7 +82,8 @@ class MoELanguageModel(L.LightningModule):
     """A decoder MoE language model for Lightning.
 
     Args:
-        config: a ModelConfig, a preset name (``ModelConfig.from_preset``) or a dict of ModelConfig fields.
+        config: a ModelConfig, a preset name (``ModelConfig.from_preset``) or a dict of ModelConfig fields with an
+            optional ``"preset"`` key: ``{"preset": "qwen3_moe_30b_a3b", "num_layers": 2, "moe": {"top_k": 4}}``.
         lr, min_lr_ratio, warmup_steps, max_steps: AdamW with linear warmup then cosine decay to
             ``lr * min_lr_ratio`` at ``max_steps`` (None = the trainer's estimated stepping batches).
         weight_decay: applied to matrices only (not to norms, biases, embeddings; the router bias is a buffer).

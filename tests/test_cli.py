@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import json
 import math
 import os
 import re
@@ -26,11 +27,22 @@ TINY = str(ROOT / "examples" / "configs" / "tiny.yaml")
 _run = run_cli
 
 
-def test_fit_tiny_config_short_run(tmp_path):
+def _fields(out: str) -> dict:
+    """model.config of a --print_config output, as a ModelConfig."""
+    return ModelConfig.from_dict(yaml.safe_load(out)["model"]["config"])
+
+
+def test_fit_tiny_config_short_run(tmp_path, monkeypatch):
+    # Lightning's default logger is TensorBoard when it is installed: pretend it is, so that the test holds either way
+    # (the pinned CSVLogger is what it reads back)
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector
+
+    monkeypatch.setattr(logger_connector, "_TENSORBOARD_AVAILABLE", True)
     code = _run([
         "fit", "--config", TINY,
         "--trainer.max_steps=3", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
         f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=200000", "--trainer.enable_progress_bar=false",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
     ])
     assert code == 0
     # it really trained: a checkpoint at step 3 that loads without running code, and logged validation losses
@@ -55,58 +67,281 @@ def test_print_config(capsys):
     out = capsys.readouterr().out
     assert "model:" in out and "data:" in out
     cfg = yaml.safe_load(out)
-    assert cfg["model"]["config"] == "tiny"
+    # the preset is shown as the fields it resolves to (a config that reloads to the same model)
+    assert ModelConfig.from_dict(cfg["model"]["config"]) == ModelConfig.from_preset("tiny")
     assert cfg["model"]["lr"] == pytest.approx(0.01)  # the override, not the file's 3e-3
     assert cfg["data"]["seq_len"] == 256
     assert cfg["trainer"]["max_steps"] == 300
 
 
-def test_plan_deepseek_v3(capsys):
-    code = _run(["plan", "--preset", "deepseek_v3"])
-    assert code == 0
-    out = capsys.readouterr().out
-    lines = [l for l in out.splitlines() if l.strip()]
-    total = [l for l in lines if l.split()[0] == "total"]
-    assert len(total) == 1, out
-    assert "671" in total[0]
-    # the header line repeats the count, and the weight bytes are 4 bytes per parameter (bf16-mixed: fp32 master)
-    assert "671" in lines[0] and "37.5" in lines[0]
-    tib = 671.03e9 * 4 / 2**40
-    assert f"{tib:.1f} TiB" in total[0]
-    # one row per component, and the rows add up to the total
-    comps = {l.split()[0] for l in lines[3:-1]}
-    assert {"embedding", "attention", "routed_experts", "router"} <= comps
+# ---- model.config: a preset plus field overrides compose (issue 8, item 1) --------------------------------------------
 
 
-def test_plan_unknown_preset(capsys):
-    code = _run(["plan", "--preset", "deepseek_v9"])
-    assert code != 0
+def test_cli_overrides_after_a_string_preset_compose(capsys):
+    assert _run(["fit", "--config", TINY, "--model.config", "qwen3_moe_30b_a3b", "--model.config.num_layers", "2",
+                 "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == ModelConfig.from_preset("qwen3_moe_30b_a3b", num_layers=2)
+    # tiny.yaml names the preset `tiny`; a nested override keeps the rest of the preset
+    assert _run(["fit", "--config", TINY, "--model.config.moe.top_k", "4", "--model.config.moe.aux_loss_coeff",
+                 "1e-3", "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == ModelConfig.from_preset(
+        "tiny", moe={"top_k": 4, "aux_loss_coeff": 1e-3})
+
+
+def test_yaml_preset_dict_and_later_overrides(tmp_path, capsys):
+    override = tmp_path / "small_qwen.yaml"
+    override.write_text("model:\n  config: {preset: qwen3_moe_30b_a3b, num_layers: 2, moe: {top_k: 4}}\n")
+    expected = ModelConfig.from_preset("qwen3_moe_30b_a3b", num_layers=2, moe={"top_k": 4})
+    assert _run(["fit", "--config", TINY, "--config", str(override), "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == expected
+    # a command-line override after the file composes with it, and so does `--model.config FILE`
+    assert _run(["fit", "--config", TINY, "--config", str(override), "--model.config.moe.num_experts", "64",
+                 "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == ModelConfig.from_preset(
+        "qwen3_moe_30b_a3b", num_layers=2, moe={"top_k": 4, "num_experts": 64})
+    fields = tmp_path / "model.yaml"
+    fields.write_text("preset: qwen3_moe_30b_a3b\nnum_layers: 2\nmoe: {top_k: 4}\n")
+    assert _run(["fit", "--config", TINY, "--model.config", str(fields), "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == expected
+    # inline JSON, and `preset` as a dotted key
+    assert _run(["fit", "--model.config", '{"preset": "olmoe_1b_7b", "num_layers": 3}', "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == ModelConfig.from_preset("olmoe_1b_7b", num_layers=3)
+    assert _run(["fit", "--config", TINY, "--model.config.preset", "mixtral_8x7b", "--model.config.num_layers", "1",
+                 "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == ModelConfig.from_preset("mixtral_8x7b", num_layers=1)
+
+
+def test_printed_config_reloads_to_the_same_model(tmp_path, capsys):
+    assert _run(["fit", "--config", TINY, "--model.config.num_layers", "2", "--print_config"]) == 0
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(capsys.readouterr().out)
+    assert _run(["fit", "--config", str(saved), "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == ModelConfig.from_preset("tiny", num_layers=2)
+
+
+# ---- one clear line and exit status 2 for user errors (item 7) ---------------------------------------------------------
+
+
+def _bad_files(tmp_path):
+    unknown_key = tmp_path / "unknown_key.yaml"
+    unknown_key.write_text("model:\n  config: {preset: tiny, moe: {num_expert: 4}}\n")
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    return unknown_key, binary
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model.config.moe.num_expert", "4"], ["model.config.moe.num_expert", "did you mean 'num_experts'"]),
+    (["--model.config.moe.top_k", "16"], ["top_k=16 exceeds moe.num_experts=8"]),
+    (["--model.config", "deepseek_v9"], ["unknown preset 'deepseek_v9'", "did you mean 'deepseek_v3'", *preset_names()]),
+    (["--model.config.preset", "qwen3"], ["did you mean 'qwen3_moe_30b_a3b'"]),
+    (["--model.config.num_layers", "abc"], ["model.config.num_layers must be an integer, got 'abc'"]),
+    (["--model.config.qk_norm", "layer"], ["model.config.qk_norm must be one of 'none', 'head', 'full'"]),
+    (["--model.lrr", "3"], ["unknown option --model.lrr", "did you mean --model.lr?"]),
+    (["--data.seq_len", "abc"], ["data.seq_len: expected int, got 'abc'"]),
+    (["--trainer.strategy", "moe_parallel", "--trainer.strategy.epp", "2"], ["--trainer.strategy.epp",
+                                                                              "did you mean 'ep'"]),
+    (["--config", "{tmp}/missing.yaml"], ["missing.yaml", "does not exist"]),
+    (["--config", "{tmp}/unknown_key.yaml"], ["model.config.moe.num_expert", "did you mean 'num_experts'"]),
+    (["--model.config", "{tmp}/missing.yaml"], ["file", "missing.yaml", "does not exist"]),
+    (["--data.files", "{tmp}/missing.txt"], ["missing.txt", "does not exist"]),
+    (["--data.files", "{tmp}/weights.bin"], ["weights.bin", "binary"]),
+    (["--data.seq_len", "512"], ["data.seq_len=512 exceeds the model's max_seq_len=256"]),
+    (["--lr_scheduler", "StepLR", "--lr_scheduler.step_size", "10"], ["--lr_scheduler needs --optimizer"]),
+])
+def test_user_errors_are_one_line_and_exit_2(args, expected, tmp_path, capsys):
+    _bad_files(tmp_path)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code = _run(["fit", "--config", TINY, *args, "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"])
     err = capsys.readouterr().err
-    assert "deepseek_v9" in err
-    for name in preset_names():
-        assert name in err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lightning-moe fit: error: "), err
+    for text in expected:
+        assert text in lines[0], lines[0]
+    assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
 
 
-def test_fit_unknown_preset_exits_nonzero(tmp_path):
+def test_fit_unknown_preset_exits_2_in_a_real_process(tmp_path):
     # a real process: the exit code and the message a user sees
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_moe.cli", "fit", "--config", TINY, "--model.config=deepseek_v9",
          "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"],
         capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )
-    assert proc.returncode != 0
-    msg = proc.stdout + proc.stderr
-    assert "deepseek_v9" in msg
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "deepseek_v9" in proc.stderr
     for name in preset_names():
-        assert name in msg, msg[-2000:]
+        assert name in proc.stderr
     assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
 
 
-def test_seq_len_longer_than_model_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"seq_len=512.*max_seq_len=256"):
-        _run(["fit", "--config", TINY, "--data.seq_len=512", "--trainer.max_steps=1",
-              f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"])
+# ---- data files, epochs shorter than the validation interval, strategy by name, optimizers ---------------------------
+
+
+def test_data_files_takes_one_path_a_directory_or_a_list(tmp_path):
+    from lightning_moe.cli import MoECLI
+    from lightning_moe.data import TextDataModule
+    from lightning_moe.module import MoELanguageModel
+
+    own = tmp_path / "own.txt"
+    own.write_text("my own text\n" * 10)
+    for value, files in [(str(own), [str(own)]), (str(tmp_path), [str(tmp_path)]),
+                         (f"[{own},{own}]", [str(own), str(own)])]:
+        saved = sys.argv
+        sys.argv = ["lightning-moe"]
+        try:
+            cli = MoECLI(MoELanguageModel, TextDataModule, run=False, args=[
+                "--config", TINY, "--data.files", value, f"--trainer.default_root_dir={tmp_path}"])
+        finally:
+            sys.argv = saved
+        assert cli.datamodule.files == files
+
+
+def test_own_data_with_a_local_hf_tokenizer(tmp_path, capsys):
+    """docs/own_data.md: compressed JSON Lines in a directory, a local Hugging Face tokenizer, the model's vocabulary
+    raised from the command line."""
+    import gzip
+
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["my own text about experts and routers"] * 20, trainer)
+    tok_dir = tmp_path / "my_tokenizer"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(str(tok_dir))
+    n_tokens = len(transformers.AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True))
+    assert n_tokens > 260
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = "".join(json.dumps({"text": f"my own text number {i} about experts"}) + "\n" for i in range(400))
+    (data / "train.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    common = ["fit", "--config", TINY, "--data.files", str(data), "--data.tokenizer", str(tok_dir),
+              "--data.seq_len=64", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+              "--trainer.limit_val_batches=1",
+              "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}",
+              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    assert _run(common) == 2
+    assert f"set model.config.vocab_size >= {n_tokens}" in capsys.readouterr().err
+    assert _run([*common, "--model.config.vocab_size", str(n_tokens)]) == 0
+    ckpt = glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
+    cfg = ModelConfig.from_dict(torch.load(ckpt[0], weights_only=True)["hyper_parameters"]["config"])
+    assert cfg == ModelConfig.from_preset("tiny", vocab_size=n_tokens)
+
+
+def test_validation_interval_longer_than_the_epoch_is_no_error(tmp_path):
+    # 20000 tokens are 9 batches of 8 x 256: tiny.yaml's val_check_interval of 100 spans epochs
+    code = _run(["fit", "--config", TINY, "--data.max_tokens=20000", "--trainer.max_steps=12",
+                 "--trainer.val_check_interval=10", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0",
+                 f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                 "--trainer.enable_model_summary=false"])
+    assert code == 0
+    metrics = glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
+    with open(metrics[0]) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val_loss")]
+    assert [int(r["step"]) for r in rows] == [9]  # validated at the 10th batch, in the second epoch
+
+
+def test_strategy_by_name_with_arguments(tmp_path, capsys):
+    from lightning_moe import MoEParallelStrategy
+    from lightning_moe.cli import MoECLI
+    from lightning_moe.data import TextDataModule
+    from lightning_moe.module import MoELanguageModel
+
+    args = ["--config", TINY, "--trainer.devices=2", "--trainer.strategy", "moe_parallel",
+            "--trainer.strategy.ep", "2", f"--trainer.default_root_dir={tmp_path}"]
+    assert _run(["fit", *args, "--print_config"]) == 0
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_moe.MoEParallelStrategy" and strategy["init_args"]["ep"] == 2
+    saved = sys.argv
+    sys.argv = ["lightning-moe"]
+    try:
+        cli = MoECLI(MoELanguageModel, TextDataModule, run=False, args=args)
+    finally:
+        sys.argv = saved
+    assert isinstance(cli.trainer.strategy, MoEParallelStrategy)
+    assert cli.trainer.strategy._sizes["ep"] == 2 and cli.trainer.world_size == 2
+
+
+def test_optimizer_from_the_command_line(tmp_path):
+    """--optimizer SGD: built when Lightning asks (the parameters exist after configure_model), over the model's
+    decay / no-decay groups, with the model's warmup-cosine schedule."""
+    from lightning_moe.cli import MoECLI
+    from lightning_moe.data import TextDataModule
+    from lightning_moe.module import MoELanguageModel, warmup_cosine
+
+    saved = sys.argv
+    sys.argv = ["lightning-moe"]
+    try:
+        cli = MoECLI(MoELanguageModel, TextDataModule, args=[
+            "fit", "--config", TINY, "--trainer.max_steps=2", "--data.max_tokens=20000", "--trainer.limit_val_batches=1",
+            "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+            "--optimizer=SGD", "--optimizer.lr=0.1", "--optimizer.momentum=0.9", "--optimizer.weight_decay=0.01"])
+    finally:
+        sys.argv = saved
+    (opt,) = cli.trainer.optimizers
+    assert isinstance(opt, torch.optim.SGD)
+    assert sorted(g["weight_decay"] for g in opt.param_groups) == [0.0, 0.01]  # norms, biases, embeddings: none
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(cli.model.parameters()))
+    warmup = yaml.safe_load(Path(TINY).read_text())["model"]["warmup_steps"]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * warmup_cosine(2, warmup, 2, 0.1))
+    assert cli.trainer.global_step == 2
+
+
+# ---- commands and noise ----------------------------------------------------------------------------------------------
+
+
+def test_top_level_help_lists_every_command(capsys):
+    assert _run(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "plan", "generate"):
+        assert re.search(rf"^\s+{command}\s", out, flags=re.M), out
+    assert _run(["fitt"]) == 2
+    assert "did you mean 'fit'" in capsys.readouterr().err
+
+
+def test_generate_is_dispatched_lazily(monkeypatch, capsys):
+    import types
+
+    calls = []
+    stub = types.ModuleType("lightning_moe.generation")
+    stub.generate_main = lambda argv: calls.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "lightning_moe.generation", stub)
+    assert _run(["generate", "--ckpt", "x.ckpt", "--prompt", "def"]) == 0
+    assert calls == [["--ckpt", "x.ckpt", "--prompt", "def"]]
+    monkeypatch.setitem(sys.modules, "lightning_moe.generation", None)  # not installed: a clear error
+    assert _run(["generate", "--ckpt", "x.ckpt"]) == 2
+    assert "`generate` is not available" in capsys.readouterr().err
+
+
+NOISE = ["args parameter is intended", "💡 Tip", "skip_none", "tensorboardX", "LeafSpec", "Traceback",
+         "DTensor random operators", "smaller than the logging interval"]
+
+
+def test_tiny_cpu_ep2_example_runs_quietly(tmp_path):
+    """The two-process CPU example trains for a few steps, as a user runs it (Lightning starts the second process),
+    without third-party noise."""
+    example = ROOT / "examples" / "configs" / "tiny_cpu_ep2.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_moe.cli", "fit", "--config", str(example), "--trainer.max_steps", "3",
+         "--data.max_tokens=40000", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3",
+         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"],
+        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in out
+    assert re.search(r"val_loss \d+\.\d+ -> \d+\.\d+ \(-\d+\.\d%\) over 3 steps", out), out[-2000:]
+    assert glob.glob(str(tmp_path / "**" / "*step=3.ckpt"), recursive=True), out[-2000:]
+    for noise in NOISE:
+        assert noise not in out, (noise, out[-3000:])
 
 
 # ---- README / CI contract ---------------------------------------------------------------------------------------------

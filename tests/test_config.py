@@ -236,3 +236,56 @@ def test_moe_layer_layout():
     assert dense.num_moe_layers == 0
     c = dense.count_params()
     assert c["total"] == c["active"]
+
+
+# ---- presets with field overrides, from Python (the CLI and YAML use the same resolution) ---------------------------
+
+
+def test_preset_dict_resolves_with_nested_overrides():
+    from lightning_moe.config import resolve_model_config
+
+    cfg = resolve_model_config({"preset": "qwen3_moe_30b_a3b", "num_layers": 2, "moe": {"top_k": 4}})
+    base = ModelConfig.from_preset("qwen3_moe_30b_a3b")
+    assert cfg == dataclasses.replace(base, num_layers=2, moe=dataclasses.replace(base.moe, top_k=4))
+    assert ModelConfig.from_dict({"preset": "qwen3_moe_30b_a3b", "num_layers": 2, "moe": {"top_k": 4}}) == cfg
+    assert resolve_model_config("tiny") == ModelConfig.from_preset("tiny")
+    # without a preset: the dataclass defaults, head_dim derived from the given sizes
+    assert resolve_model_config({"hidden_size": 64, "num_heads": 2}).head_dim == 32
+    # rope_scaling dicts fill in YaRN defaults; a preset's own rope_scaling is updated key by key
+    assert resolve_model_config({"rope_scaling": {"factor": 4.0}}).rope_scaling == YaRNScaling(factor=4.0)
+    ds = resolve_model_config({"preset": "deepseek_v3", "rope_scaling": {"factor": 8.0}})
+    assert ds.rope_scaling.factor == 8.0 and ds.rope_scaling.mscale_all_dim == 1.0
+
+
+def test_model_accepts_a_preset_dict():
+    from lightning_moe.module import MoELanguageModel
+
+    model = MoELanguageModel({"preset": "tiny", "num_layers": 2, "moe": {"top_k": 1}})
+    assert model.config == ModelConfig.from_preset("tiny", num_layers=2, moe={"top_k": 1})
+    assert ModelConfig.from_dict(model.hparams["config"]) == model.config  # the checkpoint holds the resolved fields
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"preset": "tiny", "moe": {"num_expert": 4}}, r"unknown key 'config.moe.num_expert' \(did you mean 'num_experts'\?\)"),
+    ({"num_layer": 3}, r"unknown key 'config.num_layer' \(did you mean 'num_layers'\?\)"),
+    ({"rope_scaling": {"factr": 2.0}}, r"'config.rope_scaling.factr' \(did you mean 'factor'\?\)"),
+    ({"preset": "qwen3"}, r"unknown preset 'qwen3' \(did you mean 'qwen3_moe_30b_a3b'\?\); known presets: deepseek"),
+    ("deepseek_v9", r"did you mean 'deepseek_v3'"),
+    ({"num_layers": "2"}, r"config.num_layers must be an integer, got '2'"),
+    ({"tie_embeddings": 1}, r"config.tie_embeddings must be true or false"),
+    ({"qk_norm": "layer"}, r"config.qk_norm must be one of 'none', 'head', 'full'"),
+    ({"moe": 3}, r"config.moe must be a mapping of MoEConfig fields"),
+    ({"moe": {"dense_layers": ["a"]}}, r"config.moe.dense_layers must be a list of integers"),
+    ({"preset": "tiny", "moe": {"top_k": 16}}, r"top_k=16 exceeds moe.num_experts=8"),
+    (3, r"config must be a preset name"),
+])
+def test_resolve_errors_name_the_key(spec, match):
+    from lightning_moe.config import resolve_model_config
+
+    with pytest.raises(ValueError, match=match):
+        resolve_model_config(spec)
+
+
+def test_nested_dict_typo_is_a_value_error():
+    with pytest.raises(ValueError, match=r"'moe.topk' \(did you mean 'top_k'\?\)"):
+        ModelConfig(moe={"topk": 1})

@@ -325,7 +325,7 @@ def test_bad_data_raises(tmp_path):
         setup([str(tmp_path / "missing_dir")])
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
-    with pytest.raises(ValueError, match="no .txt or .jsonl"):
+    with pytest.raises(ValueError, match="holds no .txt, .jsonl or .json"):
         setup([str(empty_dir)])
     with pytest.raises(ValueError, match="empty"):
         setup([_write(tmp_path / "empty.txt", "")])
@@ -393,3 +393,146 @@ def test_hf_tokenizer_branch_with_stub(tmp_path, monkeypatch, small_corpus):
     assert int((dm.tokens == 1000).sum()) == 3 and dm.tokens[-1] == 1000
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == (2, 16)
+
+
+# ---------------------------------------------------------------------------- formats: .json, compressed, binary
+def _tokens_of(files, **kw):
+    kw.setdefault("seq_len", 2)
+    kw.setdefault("batch_size", 1)
+    dm = TextDataModule(files=files, val_fraction=0.0, **kw)
+    dm.setup()
+    return dm.tokens.tolist()
+
+
+def _doc_tokens(*docs):
+    out = []
+    for d in docs:
+        out += list(d.encode()) + [EOS]
+    return out
+
+
+def test_compressed_and_json_files(tmp_path):
+    import bz2
+    import gzip
+    import lzma
+
+    records = [{"text": "alpha doc"}, {"text": "b\u00e9ta"}]
+    jsonl = "\n".join(json.dumps(r) for r in records) + "\n"
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(jsonl.encode()))
+    assert _tokens_of(str(tmp_path / "a.jsonl.gz")) == _doc_tokens("alpha doc", "b\u00e9ta")
+    (tmp_path / "b.txt.bz2").write_bytes(bz2.compress(b"bzip text"))
+    assert _tokens_of(str(tmp_path / "b.txt.bz2")) == _doc_tokens("bzip text")
+    (tmp_path / "c.txt.xz").write_bytes(lzma.compress(b"xz text"))
+    assert _tokens_of(str(tmp_path / "c.txt.xz")) == _doc_tokens("xz text")
+    # gzip without the suffix is recognised by its magic number
+    (tmp_path / "d.txt").write_bytes(gzip.compress(b"hidden gzip"))
+    assert _tokens_of(str(tmp_path / "d.txt")) == _doc_tokens("hidden gzip")
+    # .json: an array of objects (text_field), an array of strings, JSON Lines saved as .json, gzipped
+    _write(tmp_path / "e.json", json.dumps([{"body": "one"}, {"body": "two"}]))
+    assert _tokens_of(str(tmp_path / "e.json"), text_field="body") == _doc_tokens("one", "two")
+    _write(tmp_path / "f.json", json.dumps(["s1", "s2"]))
+    assert _tokens_of(str(tmp_path / "f.json")) == _doc_tokens("s1", "s2")
+    _write(tmp_path / "g.json", jsonl)
+    assert _tokens_of(str(tmp_path / "g.json")) == _doc_tokens("alpha doc", "b\u00e9ta")
+    (tmp_path / "h.json.gz").write_bytes(gzip.compress(json.dumps(["zipped"]).encode()))
+    assert _tokens_of(str(tmp_path / "h.json.gz")) == _doc_tokens("zipped")
+    # a directory takes every readable format, in sorted order
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "1.jsonl.gz").write_bytes(gzip.compress(b'{"text": "first"}\n'))
+    _write(d / "2.json", '["second"]')
+    (d / "3.bin").write_bytes(b"\x00\x01")  # not a data suffix: ignored
+    assert _tokens_of(str(d)) == _doc_tokens("first", "second")
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"\x00\x01\x02binary" * 10, "binary"),
+    (b"PK\x03\x04" + b"x" * 50, "zip archive"),
+    (b"PAR1" + b"x" * 50, "Parquet"),
+    (b"\x28\xb5\x2f\xfd" + b"x" * 50, "zstd"),
+    (bytes(range(128, 256)) * 8, "not UTF-8"),
+])
+def test_binary_files_are_refused(tmp_path, content, match):
+    p = tmp_path / "data.txt"
+    p.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        _tokens_of(str(p))
+
+
+def test_bad_json_files(tmp_path):
+    _write(tmp_path / "obj.json", json.dumps({"rows": ["x"]}))
+    with pytest.raises(ValueError, match="array of strings or of objects"):
+        _tokens_of(str(tmp_path / "obj.json"))
+    _write(tmp_path / "nofield.json", json.dumps([{"content": "x"}]))
+    with pytest.raises(ValueError, match=r"nofield.json\[0\] has no field 'text' \(its keys: content\)"):
+        _tokens_of(str(tmp_path / "nofield.json"))
+    (tmp_path / "cut.jsonl.gz").write_bytes(__import__("gzip").compress(b'{"text": "x"}\n')[:-6])
+    with pytest.raises(ValueError, match="cannot decompress"):
+        _tokens_of(str(tmp_path / "cut.jsonl.gz"))
+
+
+def test_files_as_one_path_and_checked_at_construction(tmp_path):
+    p = _write(tmp_path / "own.txt", "own text")
+    assert TextDataModule(files=p).files == [p]
+    assert TextDataModule(files=str(tmp_path)).files == [str(tmp_path)]
+    with pytest.raises(ValueError, match="does not exist"):
+        TextDataModule(files=str(tmp_path / "typo.txt"))
+
+
+# ---------------------------------------------------------------------------- model limits and batch checks
+def test_limits_checked_where_the_data_is_made(tmp_path, small_corpus):
+    dm = TextDataModule(files=small_corpus, seq_len=16, batch_size=2)
+    dm.set_model_limits(vocab_size=100, max_seq_len=64)  # bytes of the text reach 'x' = 120 and EOS = 257
+    dm.setup("fit")
+    with pytest.raises(ValueError, match=r"token id 257 >= the model's vocab_size=100.*vocab_size >= 260"):
+        dm.train_dataloader()
+    dm.set_model_limits(vocab_size=260, max_seq_len=8)
+    with pytest.raises(ValueError, match=r"data.seq_len=16 exceeds the model's max_seq_len=8"):
+        dm.train_dataloader()
+    # limits from the attached trainer's module when none are set
+    dm = TextDataModule(files=small_corpus, seq_len=16, batch_size=2)
+    dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(config=SimpleNamespace(vocab_size=260,
+                                                                                        max_seq_len=8)),
+                                 strategy=SimpleNamespace(distributed_sampler_kwargs=None))
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        dm.train_dataloader()
+    # every batch goes through the checking collate
+    dm.set_model_limits(vocab_size=260, max_seq_len=16)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape == (2, 16)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda b: b.update(input_ids=b["input_ids"] + 300), r"input_ids holds token id \d+ >= vocab_size=260"),
+    (lambda b: b["input_ids"].__setitem__((0, 0), -1), "negative token id -1"),
+    (lambda b: b["labels"].__setitem__((0, 0), 260), r"labels holds token id 260 >= vocab_size=260"),
+    (lambda b: b.update(input_ids=torch.zeros(2, 32, dtype=torch.long), labels=None),
+     r"32 tokens exceed the model's max_seq_len=16"),
+    (lambda b: b.update(input_ids=b["input_ids"].float()), "integer token ids"),
+    (lambda b: b.update(attention_mask=torch.tensor([[1.0, float("nan"), 1, 1]] * 2)), "NaN"),
+    (lambda b: b.update(attention_mask=torch.tensor([[0.0, float("-inf"), 0, 0]] * 2)), "not an additive"),
+    (lambda b: b.update(attention_mask=torch.ones(2, 3)), "shape"),
+])
+def test_validate_batch_refuses(change, match):
+    from lightning_moe.data import validate_batch
+
+    batch = {"input_ids": torch.randint(0, 260, (2, 4)), "labels": torch.randint(0, 260, (2, 4))}
+    batch["labels"][0, 1] = -100  # ignored positions are fine
+    validate_batch(batch, vocab_size=260, max_seq_len=16)
+    validate_batch({**batch, "attention_mask": torch.tensor([[1.0, 1, 0, 0]] * 2)}, 260, 16)
+    change(batch)
+    batch = {k: v for k, v in batch.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        validate_batch(batch, vocab_size=260, max_seq_len=16)
+
+
+def test_collate_stacks_and_checks():
+    from lightning_moe.data import collate
+
+    samples = [{"input_ids": torch.arange(4), "labels": torch.arange(1, 5)} for _ in range(3)]
+    batch = collate(samples, vocab_size=10, max_seq_len=4)
+    assert batch["input_ids"].shape == (3, 4)
+    with pytest.raises(ValueError, match="vocab_size=4"):
+        collate(samples, vocab_size=4)
+    with pytest.raises(ValueError, match="different shapes"):
+        collate([{"input_ids": torch.arange(4)}, {"input_ids": torch.arange(3)}])

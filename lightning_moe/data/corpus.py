@@ -1,4 +1,4 @@
-"""Reading documents: the embedded corpus and local ``.txt`` / ``.jsonl`` files.
+"""Reading documents: the embedded corpus and local ``.txt`` / ``.jsonl`` / ``.json`` files (optionally compressed).
 
 The embedded corpus
 -------------------
@@ -16,15 +16,17 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
-from typing import Optional
+from typing import Any, Optional, Union
 
-__all__ = ["EMBEDDED_CORPUS_MAX_BYTES", "embedded_corpus_documents", "read_documents", "expand_files"]
+__all__ = ["EMBEDDED_CORPUS_MAX_BYTES", "embedded_corpus_documents", "expand_files", "read_documents",
+           "read_text_file"]
 
 #: default cap of the embedded corpus, in bytes of UTF-8 text
 EMBEDDED_CORPUS_MAX_BYTES = 8_000_000
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
-_DATA_SUFFIXES = (".txt", ".jsonl")
+_DATA_SUFFIXES = (".txt", ".jsonl", ".json")
+_COMPRESSIONS = (".gz", ".bz2", ".xz")
 
 
 def embedded_corpus_documents(max_bytes: int = EMBEDDED_CORPUS_MAX_BYTES) -> list[str]:
@@ -63,8 +65,32 @@ def embedded_corpus_documents(max_bytes: int = EMBEDDED_CORPUS_MAX_BYTES) -> lis
     return docs
 
 
-def expand_files(files: list[str]) -> list[str]:
-    """Expand directories (recursively, ``*.txt`` and ``*.jsonl``, sorted) and check that every path exists."""
+def _format_of(path: str) -> tuple[str, Optional[str]]:
+    """(format, compression) from the file name: ``data.jsonl.gz`` -> ("jsonl", "gz"); unknown suffixes are "txt"."""
+    name = path.lower()
+    compression = None
+    for suffix in _COMPRESSIONS:
+        if name.endswith(suffix):
+            compression, name = suffix[1:], name[: -len(suffix)]
+            break
+    for fmt in ("jsonl", "json"):
+        if name.endswith("." + fmt):
+            return fmt, compression
+    return "txt", compression
+
+
+def _is_data_file(name: str) -> bool:
+    lower = name.lower()
+    for suffix in _COMPRESSIONS:
+        if lower.endswith(suffix):
+            lower = lower[: -len(suffix)]
+            break
+    return lower.endswith(_DATA_SUFFIXES)
+
+
+def expand_files(files: Union[str, os.PathLike, list[str]]) -> list[str]:
+    """Expand directories (recursively: ``*.txt``, ``*.jsonl``, ``*.json`` and their ``.gz`` / ``.bz2`` / ``.xz``
+    forms, sorted) and check that every path exists. ``files`` may be one path or a list."""
     if isinstance(files, (str, os.PathLike)):
         files = [files]
     out: list[str] = []
@@ -73,11 +99,12 @@ def expand_files(files: list[str]) -> list[str]:
         if os.path.isdir(path):
             found = []
             for dirpath, dirnames, filenames in os.walk(path):
-                dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-                found.extend(os.path.join(dirpath, n) for n in filenames if n.endswith(_DATA_SUFFIXES))
+                dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
+                found.extend(os.path.join(dirpath, n) for n in filenames if _is_data_file(n))
             if not found:
                 raise ValueError(
-                    f"data directory {path!r} holds no .txt or .jsonl files; add some or change `files`."
+                    f"data directory {path!r} holds no .txt, .jsonl or .json files (optionally .gz, .bz2 or .xz "
+                    "compressed); add some or change `files`."
                 )
             out.extend(sorted(found, key=lambda p: os.path.relpath(p, path).replace(os.sep, "/")))
         elif os.path.isfile(path):
@@ -87,48 +114,146 @@ def expand_files(files: list[str]) -> list[str]:
     return out
 
 
-def _read_jsonl(path: str, text_field: str) -> list[str]:
+# magic numbers of formats we cannot read as text: refuse them rather than train on their bytes
+_BINARY_MAGIC = {
+    b"\x28\xb5\x2f\xfd": "zstd-compressed (decompress it first, e.g. `zstd -d`)",
+    b"PK\x03\x04": "a zip archive (extract it first)",
+    b"PAR1": "a Parquet file (convert it to .jsonl, e.g. with pandas or `datasets`)",
+    b"ARROW1": "an Arrow file (convert it to .jsonl, e.g. with `datasets`)",
+    b"\x80\x04\x95": "a Python pickle",
+    b"\x93NUMPY": "a NumPy array",
+    b"%PDF": "a PDF document (extract its text first)",
+}
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gz", b"BZh": "bz2", b"\xfd7zXZ\x00": "xz"}
+
+
+def _decompress(raw: bytes, compression: str, path: str) -> bytes:
+    import bz2
+    import gzip
+    import lzma
+
+    try:
+        if compression == "gz":
+            return gzip.decompress(raw)
+        if compression == "bz2":
+            return bz2.decompress(raw)
+        return lzma.decompress(raw)
+    except (OSError, EOFError, lzma.LZMAError, ValueError) as err:
+        raise ValueError(f"{path}: cannot decompress it as .{compression} ({err}); is the file complete?") from err
+
+
+def read_text_file(path: str) -> str:
+    """The UTF-8 text of a local file, decompressed by suffix (``.gz``, ``.bz2``, ``.xz``) or by its magic number.
+
+    Raises ValueError for files that are not text: NUL bytes, a known binary format, or mostly invalid UTF-8 (a few
+    invalid bytes become U+FFFD)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    _, compression = _format_of(path)
+    if compression is None:
+        compression = next((c for magic, c in _COMPRESSED_MAGIC.items() if raw.startswith(magic)), None)
+    if compression is not None:
+        raw = _decompress(raw, compression, path)
+    for magic, what in _BINARY_MAGIC.items():
+        if raw.startswith(magic):
+            raise ValueError(f"{path} is {what}, not text; `files` takes .txt, .jsonl and .json files.")
+    head = raw[:65536]
+    if b"\x00" in head:
+        raise ValueError(
+            f"{path} is binary (it holds NUL bytes), not UTF-8 text; `files` takes .txt, .jsonl and .json files "
+            "(UTF-16 text must be converted to UTF-8 first)."
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd")
+        if bad > max(16, len(text) // 100):
+            raise ValueError(
+                f"{path} is not UTF-8 text ({bad} invalid bytes of {len(raw)}); convert it to UTF-8 "
+                "(e.g. `iconv -t utf-8`) or remove it from `files`."
+            ) from None
+        return text
+
+
+def _record_text(record: Any, text_field: str, where: str) -> str:
+    if isinstance(record, str):
+        return record
+    if not isinstance(record, dict) or text_field not in record:
+        keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
+        raise ValueError(
+            f"{where} has no field {text_field!r}{keys}; set `text_field` to the key holding the text."
+        )
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string.")
+    return text
+
+
+def _jsonl_documents(text: str, path: str, text_field: str) -> list[str]:
     docs = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path}:{lineno} is not valid JSON ({err}); each line must be one JSON object."
-                ) from err
-            if not isinstance(record, dict) or text_field not in record:
-                raise ValueError(
-                    f"{path}:{lineno} has no field {text_field!r}; set `text_field` to the key holding the text."
-                )
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string.")
-            if text:
-                docs.append(text)
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}:{lineno} is not valid JSON ({err}); each line must be one JSON object."
+            ) from err
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno} is a JSON {type(record).__name__}; each line must be one JSON object "
+                             f"with the text under {text_field!r}.")
+        doc = _record_text(record, text_field, f"{path}:{lineno}")
+        if doc:
+            docs.append(doc)
     return docs
 
 
-def read_documents(files: list[str], text_field: str = "text") -> list[str]:
-    """Documents of local files: a ``.jsonl`` file gives one document per line (``record[text_field]``),
-    any other file (``.txt``) is one document."""
+def _json_documents(text: str, path: str, text_field: str) -> list[str]:
+    """A JSON array of strings or of objects holding ``text_field``; a ``.json`` file that is really JSON Lines
+    (as pandas' and datasets' ``to_json`` write) is read as such."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":
+            return _jsonl_documents(text, path, text_field)
+        raise ValueError(f"{path} is not valid JSON ({err}).") from err
+    if isinstance(data, dict) and text_field in data:
+        data = [data]
+    if not isinstance(data, list):
+        raise ValueError(
+            f"{path} holds a JSON {type(data).__name__}; a .json file must hold an array of strings or of objects "
+            f"with the text under {text_field!r} (or use .jsonl, one object per line)."
+        )
+    docs = []
+    for i, record in enumerate(data):
+        doc = _record_text(record, text_field, f"{path}[{i}]")
+        if doc:
+            docs.append(doc)
+    return docs
+
+
+def read_documents(files: Union[str, list[str]], text_field: str = "text") -> list[str]:
+    """Documents of local files: ``.jsonl`` gives one document per line (``record[text_field]``), ``.json`` one per
+    array element (a string, or ``record[text_field]``), any other file (``.txt``) is one document. Each may be
+    ``.gz`` / ``.bz2`` / ``.xz`` compressed; binary files are refused."""
     docs: list[str] = []
     for path in expand_files(files):
-        if path.endswith(".jsonl"):
-            docs.extend(_read_jsonl(path, text_field))
-        else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-            if text:
-                docs.append(text)
+        fmt, _ = _format_of(path)
+        text = read_text_file(path)
+        if fmt == "jsonl":
+            docs.extend(_jsonl_documents(text, path, text_field))
+        elif fmt == "json":
+            docs.extend(_json_documents(text, path, text_field))
+        elif text:
+            docs.append(text)
     return docs
 
 
 def load_documents(
-    files: Optional[list[str]], text_field: str = "text", embedded_max_bytes: int = EMBEDDED_CORPUS_MAX_BYTES
+    files: Optional[Union[str, list[str]]], text_field: str = "text", embedded_max_bytes: int = EMBEDDED_CORPUS_MAX_BYTES
 ) -> list[str]:
     """``files`` or, when None, the embedded corpus."""
     if files is None:

@@ -35,12 +35,15 @@ Sampling
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import os
+from functools import partial
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_moe.data.collate import collate
 from lightning_moe.data.corpus import EMBEDDED_CORPUS_MAX_BYTES, load_documents
 from lightning_moe.data.tokenizer import ByteTokenizer, load_hf_tokenizer
 
@@ -105,10 +108,12 @@ class TextDataModule(LightningDataModule):
     """Packed language-modelling batches from local text files or the embedded corpus.
 
     Args:
-        files: local ``.txt`` files (one document each), ``.jsonl`` files (one document per line, the text
-            under ``text_field``) and directories of them (searched recursively, sorted). ``None`` uses the
-            embedded corpus: Python's standard-library sources, ~8 MB (see :mod:`lightning_moe.data.corpus`).
-        text_field: key of the text in ``.jsonl`` records.
+        files: one path or a list of paths: ``.txt`` files (one document each), ``.jsonl`` files (one document per
+            line, the text under ``text_field``), ``.json`` files (an array of strings or of objects with
+            ``text_field``), any of them ``.gz`` / ``.bz2`` / ``.xz`` compressed, and directories of them (searched
+            recursively, sorted). ``None`` uses the embedded corpus: Python's standard-library sources, ~8 MB (see
+            :mod:`lightning_moe.data.corpus`). Binary files are refused.
+        text_field: key of the text in ``.jsonl`` / ``.json`` records.
         tokenizer: ``None`` for the byte tokenizer (vocab 260), else the path of a *local* Hugging Face
             tokenizer directory (needs ``transformers``; nothing is downloaded).
         seq_len: tokens per sample.
@@ -124,7 +129,7 @@ class TextDataModule(LightningDataModule):
 
     def __init__(
         self,
-        files: Optional[list[str]] = None,
+        files: Optional[Union[str, list[str]]] = None,
         text_field: str = "text",
         tokenizer: Optional[str] = None,
         seq_len: int = 256,
@@ -151,9 +156,12 @@ class TextDataModule(LightningDataModule):
             isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0
         ):
             raise ValueError(f"max_tokens must be a positive integer or null, got {max_tokens!r}.")
-        if files is not None and isinstance(files, str):
+        if isinstance(files, (str, os.PathLike)):
             files = [files]
-        self.files = None if files is None else [str(f) for f in files]
+        self.files = None if files is None else [os.fspath(f) for f in files]
+        for f in self.files or []:
+            if not os.path.exists(os.path.expanduser(f)):
+                raise ValueError(f"data file or directory {f!r} does not exist; fix the path in `files`.")
         self.text_field = text_field
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -168,6 +176,8 @@ class TextDataModule(LightningDataModule):
 
         self._tokenizer_obj: Any = None
         self._batch_view: Optional[tuple[int, int]] = None
+        self._model_limits: Optional[tuple[Optional[int], Optional[int]]] = None
+        self._token_range: Optional[tuple[int, int]] = None
         self.tokens: Optional[torch.Tensor] = None
         self.train_dataset: Optional[PackedDataset] = None
         self.val_dataset: Optional[PackedDataset] = None
@@ -223,6 +233,46 @@ class TextDataModule(LightningDataModule):
                 return num_replicas, rank
         return 1, 0
 
+    # ------------------------------------------------------------------ model limits
+    def set_model_limits(self, vocab_size: Optional[int] = None, max_seq_len: Optional[int] = None) -> None:
+        """The vocabulary size and maximum sequence length of the model this data feeds (the CLI sets them); the
+        packed stream, ``seq_len`` and every batch are checked against them."""
+        self._model_limits = (vocab_size, max_seq_len)
+
+    def model_limits(self) -> tuple[Optional[int], Optional[int]]:
+        """``(vocab_size, max_seq_len)`` of the model: :meth:`set_model_limits`, else the ``config`` of the
+        attached trainer's LightningModule, else ``(None, None)`` (unchecked)."""
+        if self._model_limits is not None:
+            return self._model_limits
+        trainer = getattr(self, "trainer", None)
+        cfg = getattr(getattr(trainer, "lightning_module", None), "config", None) if trainer is not None else None
+        return getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
+
+    def check_limits(self) -> None:
+        """ValueError, naming the limit, if ``seq_len`` exceeds the model's ``max_seq_len`` or the packed token ids
+        fall outside ``[0, vocab_size)`` of the tokenizer or the model."""
+        vocab, max_seq_len = self.model_limits()
+        if max_seq_len is not None and self.seq_len > max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.seq_len} exceeds the model's max_seq_len={max_seq_len}: lower data.seq_len to "
+                f"<= {max_seq_len} or raise model.config.max_seq_len"
+            )
+        if self._token_range is None:
+            return
+        low, high = self._token_range
+        if low < 0:
+            raise ValueError(f"the tokenizer produced the negative token id {low}; token ids must be >= 0")
+        tok_vocab = self.vocab_size
+        if high >= tok_vocab:
+            raise ValueError(
+                f"the tokenizer produced token id {high} >= its own vocabulary size {tok_vocab}; check `tokenizer`"
+            )
+        if vocab is not None and high >= vocab:
+            raise ValueError(
+                f"the data holds token id {high} >= the model's vocab_size={vocab}: set model.config.vocab_size >= "
+                f"{max(high + 1, tok_vocab)} (the tokenizer has {tok_vocab} tokens) or use a smaller tokenizer"
+            )
+
     # ------------------------------------------------------------------ data
     def prepare_data(self) -> None:
         """Nothing to download: every source is local. Tokenising happens in :meth:`setup` on each process."""
@@ -255,10 +305,13 @@ class TextDataModule(LightningDataModule):
                 f"val_fraction={self.val_fraction}; lower `seq_len` or `val_fraction`, or add data."
             )
         self.tokens = tokens
+        self._token_range = (int(tokens.min()), int(tokens.max()))
         self.train_dataset = PackedDataset(tokens, S, 0, num_train)
         self.val_dataset = PackedDataset(tokens, S, num_train, num_val)
 
     def _loader(self, dataset: PackedDataset, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
+        self.check_limits()
+        vocab, max_seq_len = self.model_limits()
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -266,6 +319,7 @@ class TextDataModule(LightningDataModule):
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            collate_fn=partial(collate, vocab_size=vocab, max_seq_len=max_seq_len),
         )
 
     def train_dataloader(self) -> DataLoader:
