@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import glob
 import logging
 import os
 import re
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
@@ -40,6 +42,7 @@ TRAINER_COMMANDS = {
 OTHER_COMMANDS = {
     "plan": "parameters and memory of a preset or a fit YAML, per GPU for a parallel layout",
     "generate": "sample text from a trained checkpoint",
+    "export": "write a checkpoint of any layout as a Hugging Face folder (config.json + safetensors)",
 }
 #: names under which ``--trainer.strategy`` selects MoEParallelStrategy
 STRATEGY_NAMES = ("moe_parallel", "MoEParallelStrategy")
@@ -323,10 +326,14 @@ class MoECLI(LightningCLI):
         self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--resume_required", type=bool, default=False,
+                            help="with --ckpt_path last: fail (exit 2) when there is no checkpoint to resume, instead "
+                                 "of training from scratch")
         model_config = _find_action(parser, "model.config")
         if model_config is not None:
             _wrap_check_type(model_config, _model_config_from_value)
             model_config.default = model_config._check_type_(model_config.default)
+            self._model_config_default = model_config.default
         strategy = _find_action(parser, "trainer.strategy")
         if strategy is not None:
             _wrap_check_type(strategy, _normalize_strategy)
@@ -392,6 +399,55 @@ class MoECLI(LightningCLI):
             rank_zero_info(f"Metrics go to CSV files under {logger.root_dir} (`pip install tensorboard` for "
                            "TensorBoard logs, or choose one with --trainer.logger)")
 
+    def _parse_ckpt_path(self) -> None:
+        # Replaces LightningCLI's step of the same name (private; no public hook sits between parsing and
+        # instantiation), which lets every hyper-parameter of the checkpoint override what was given now.
+        # Here: values given now win (the module then continues the LR schedule with the new lr), the model shape
+        # must match the checkpoint's, and `last` resolves to the newest last checkpoint under default_root_dir.
+        sub = self.config.get("subcommand")
+        if not sub:
+            return
+        cfg = self.config[sub]
+        ckpt_path = cfg.get("ckpt_path")
+        if ckpt_path == "last":
+            ckpt_path = cfg["ckpt_path"] = self._find_last(cfg)
+        if not ckpt_path:
+            return
+        hp = _checkpoint_hparams(ckpt_path)
+        saved = hp.get("config") if hp else None
+        if not isinstance(saved, dict):
+            return
+        model = cfg["model"]
+        given = _plain(model.get("config"))
+        if given is None or given == _plain(getattr(self, "_model_config_default", None)):
+            model["config"] = saved
+            print(f"{PROG}: model.config comes from the checkpoint {ckpt_path}", file=sys.stderr)
+        elif given != saved:
+            diff = sorted(k for k in set(saved) | set(given) if saved.get(k) != given.get(k))
+            raise UsageError(f"model.config differs from the checkpoint {ckpt_path} in {diff} (the checkpoint's "
+                             f"weights have its shape): drop those settings to resume, or start a new run")
+        others = {k: v for k, v in hp.items() if k != "config" and k in model and model[k] != v}
+        if others:
+            print(f"{PROG}: given now, replacing the checkpoint's: "
+                  + ", ".join(f"{k}={model[k]!r} (checkpoint: {v!r})" for k, v in sorted(others.items())),
+                  file=sys.stderr)
+
+    def _find_last(self, cfg: Any) -> Optional[str]:
+        """The newest ``last`` checkpoint (file or directory) under the trainer's default_root_dir, else None with a
+        prominent message (an error with --resume_required)."""
+        root = (cfg.get("trainer") or {}).get("default_root_dir") or os.getcwd()
+        found = sorted(glob.glob(os.path.join(str(root), "**", "last*.ckpt"), recursive=True), key=os.path.getmtime)
+        if found:
+            print(f"{PROG}: --ckpt_path last -> {found[-1]}", file=sys.stderr)
+            return found[-1]
+        msg = f"--ckpt_path last: no last checkpoint under {root}"
+        if cfg.get("resume_required"):
+            raise UsageError(msg + " and --resume_required is set")
+        bar = "!" * min(100, len(msg) + 40)
+        print(f"{bar}\n{PROG}: {msg}: training starts FROM SCRATCH (--resume_required true makes this an error)"
+              f"\n{bar}", file=sys.stderr)
+        return None
+
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         if self.subcommand is not None:  # data and model are built: check them before the Trainer starts anything
             self._check_data_and_model(self.subcommand)
@@ -399,6 +455,26 @@ class MoECLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._announce_default_logger()
+
+
+def _plain(value: Any) -> Any:
+    """A jsonargparse Namespace as a plain dict (other values unchanged)."""
+    return value.as_dict() if hasattr(value, "as_dict") else value
+
+
+def _checkpoint_hparams(path: str) -> Optional[dict[str, Any]]:
+    """The hyper-parameters stored in a checkpoint file or distributed checkpoint directory (weights_only)."""
+    import torch
+
+    p = Path(path)
+    meta = p / "meta.pt" if p.is_dir() else p
+    if not meta.exists():
+        raise UsageError(f"--ckpt_path {path}: no such checkpoint")
+    try:
+        ckpt = torch.load(meta, weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise UsageError(f"--ckpt_path {path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
+    return ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
 
 
 def _build_optimizers(model: Any, optimizer_init: dict[str, Any], scheduler_init: Optional[dict[str, Any]]) -> Any:
@@ -623,6 +699,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             sys.exit(plan_main(argv[1:]))
         if command == "generate":
             sys.exit(generate_command(argv[1:]))
+        if command == "export":
+            from lightning_moe.export import export_main
+
+            sys.exit(export_main(argv[1:]))
         if not command.startswith("-") and command not in TRAINER_COMMANDS:
             known = [*TRAINER_COMMANDS, *OTHER_COMMANDS]
             hint = difflib.get_close_matches(command, known, n=1)

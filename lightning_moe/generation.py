@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from lightning_moe.config import ModelConfig
+from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.transformer import KVCache, MoETransformer, RotaryEmbedding
 
 __all__ = ["generate", "generate_text", "generate_any", "load_for_generation", "generate_main", "sample_next_token"]
@@ -295,14 +295,7 @@ def generate_any(model: MoETransformer, prompt_or_ids: Union[str, Sequence[str],
 def _config_from_hparams(hparams: Any, where: str) -> ModelConfig:
     if not isinstance(hparams, dict) or "config" not in hparams:
         raise ValueError(f"{where} holds no hyper_parameters['config']: not a lightning_moe MoELanguageModel checkpoint")
-    config = hparams["config"]
-    if isinstance(config, ModelConfig):
-        return config
-    if isinstance(config, str):
-        return ModelConfig.from_preset(config)
-    if isinstance(config, dict):
-        return ModelConfig.from_dict(config)
-    raise ValueError(f"{where}: hyper_parameters['config'] is a {type(config).__name__}, expected a dict")
+    return resolve_model_config(hparams["config"])
 
 
 def _safe_torch_load(path: Path) -> Any:

@@ -378,3 +378,30 @@ def test_readme_commands_match_ci():
     assert len(cmds) == 2, f"README.md's first code block should hold exactly two command lines, found {cmds}"
     assert cmds[1] == _ci_test_command(), (
         f"README's test command {cmds[1]!r} differs from .ci/run's {_ci_test_command()!r}")
+
+
+def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys):
+    """`--ckpt_path last` finds the newest last checkpoint (the end of training always writes one), a learning rate
+    given now wins over the checkpoint's, another model shape is refused naming the fields, and a missing last
+    checkpoint is said prominently (an error with --resume_required)."""
+    base = ["fit", "--config", TINY, "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+            "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=60000",
+            "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
+    assert _run(base + ["--trainer.max_steps=3"]) == 0
+    lasts = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+    assert len(lasts) == 1 and torch.load(lasts[0], weights_only=True)["global_step"] == 3
+    capsys.readouterr()
+    assert _run(base + ["--trainer.max_steps=4", "--ckpt_path=last", "--model.lr=1e-5"]) == 0
+    err = capsys.readouterr()
+    text = err.err + err.out
+    assert "--ckpt_path last ->" in text and "lr=1e-05 (checkpoint: 0.003)" in text, text[-2000:]
+    # another model shape than the checkpoint's
+    assert _run(base + ["--trainer.max_steps=5", "--ckpt_path=last", "--model.config.num_layers=2"]) == 2
+    assert "model.config differs from the checkpoint" in capsys.readouterr().err
+    # nothing to resume
+    empty = tmp_path / "empty"
+    args = [a if not a.startswith("--trainer.default_root_dir") else f"--trainer.default_root_dir={empty}" for a in base]
+    assert _run(args + ["--trainer.max_steps=1", "--ckpt_path=last", "--resume_required=true"]) == 2
+    assert "no last checkpoint under" in capsys.readouterr().err
+    assert _run(args + ["--trainer.max_steps=1", "--ckpt_path=last"]) == 0
+    assert "training starts FROM SCRATCH" in capsys.readouterr().err

@@ -27,7 +27,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from lightning_moe.moe.router import RoutingResult
-from lightning_moe.parallel.collectives import all_gather_autograd, all_gather_into, reduce_scatter_autograd
+from lightning_moe.collectives import all_gather_autograd, all_gather_into, reduce_scatter_autograd
 
 try:  # a 1-D DeviceMesh is accepted wherever a group is
     from torch.distributed.device_mesh import DeviceMesh

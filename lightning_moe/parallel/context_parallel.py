@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe.autograd import contiguous_grad
-from lightning_moe.parallel.collectives import all_gather, all_gather_autograd, wait
+from lightning_moe.collectives import all_gather, all_gather_autograd, wait
 
 __all__ = ["cp_shard_indices", "shard_batch_for_cp", "AllGatherKVAttention"]
 

@@ -145,6 +145,10 @@ class MoEParallelStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def is_distributed(self) -> bool:  # Lightning asks custom strategies this (sync_dist, distributed samplers)
+        return True
+
+    @property
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 

@@ -1,4 +1,4 @@
-"""Functional collectives under the names of the torch version at hand.
+"""Functional collectives (used by the dispatchers and context parallelism) under the names of the torch version at hand.
 
 torch >= 2.12 names the functional all-gather / reduce-scatter ``*_single[_autograd]`` and deprecates the
 ``*_tensor[_autograd]`` spelling (a FutureWarning per call); torch 2.11 has only the latter.
