@@ -98,6 +98,8 @@ class MoELanguageModel(L.LightningModule):
             from it (``config`` may be left out, or must describe the same model) and its weights replace the
             initialisation; under MoEParallelStrategy each rank reads only the slices it holds.
             ``MoELanguageModel.from_pretrained(path, **kwargs)`` is the same.
+        predict_max_new_tokens: tokens ``predict_step`` (``trainer.predict``, ``lightning-moe predict``) generates
+            after each prompt (greedy).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class MoELanguageModel(L.LightningModule):
         skip_empty_steps: bool = False,
         model_transforms: Optional[Sequence[Callable[[nn.Module], Optional[nn.Module]]]] = None,
         pretrained: Optional[str] = None,
+        predict_max_new_tokens: int = 64,
     ) -> None:
         super().__init__()
         self.hf_model_type: Optional[str] = None
@@ -135,7 +138,8 @@ class MoELanguageModel(L.LightningModule):
         self.save_hyperparameters(
             {"config": self.config.to_dict(), "lr": lr, "min_lr_ratio": min_lr_ratio, "warmup_steps": warmup_steps,
              "max_steps": max_steps, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused,
-             "skip_empty_steps": skip_empty_steps, "pretrained": pretrained}
+             "skip_empty_steps": skip_empty_steps, "pretrained": pretrained,
+             "predict_max_new_tokens": predict_max_new_tokens}
         )
         self.pretrained = pretrained
         self.skip_empty_steps = skip_empty_steps
@@ -218,8 +222,17 @@ class MoELanguageModel(L.LightningModule):
             _load_unsharded_init(model, self.config, torch.initial_seed())
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """Logits [B, S, V]. Checks the inputs against the model's limits (vocabulary, max_seq_len, a 0/1 mask):
+        a ValueError naming the limit, not an IndexError deep inside the model."""
         assert self.model is not None, "call configure_model() first (the Trainer does)"
+        self._check_batch({"input_ids": input_ids, **({"attention_mask": attention_mask}
+                                                       if attention_mask is not None else {})})
         return self.model(input_ids, attention_mask)
+
+    def _check_batch(self, batch: dict[str, Tensor]) -> None:
+        from lightning_moe.data.collate import validate_batch
+
+        validate_batch(batch, self.config.vocab_size, self.config.max_seq_len)
 
     # ---- Hugging Face ------------------------------------------------------------------------------------------
     @classmethod
@@ -336,6 +349,8 @@ class MoELanguageModel(L.LightningModule):
         self.log("train/aux_loss", result.aux_loss)
         self.log("train/z_loss", result.z_loss)
         self.log("train/tokens", result.num_tokens)
+        if self._trainer is not None and self.trainer.optimizers:
+            self.log("train/lr", float(self.trainer.optimizers[0].param_groups[0]["lr"]))
         # throughput of the whole run (all ranks): the step's valid tokens over the time since the last step
         # (the finalisation synchronised the device, so the clock sees its work)
         if self._last_step_time is not None:
@@ -381,9 +396,39 @@ class MoELanguageModel(L.LightningModule):
         self._last_step_time = None  # validation time is no training throughput
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._check_batch(batch)  # evaluation data may come from anywhere (trainer.validate); not in training steps
         loss_sum, n_local = self._token_loss_sum(batch)
         s = torch.stack([loss_sum.detach(), n_local.to(loss_sum.dtype)])
         self._val_sums = s if self._val_sums is None else self._val_sums + s
+
+    def on_test_epoch_start(self) -> None:
+        self._val_sums = None
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        """test_loss (mean token loss over the whole test set, all ranks) and test_perplexity."""
+        if self._val_sums is None:
+            return
+        sums = self._reduce_sum(self._val_sums)
+        self._val_sums = None
+        if float(sums[1]) == 0:
+            rank_zero_warn("the test set has no valid token (every label -100 or masked): nothing is logged")
+            return
+        loss = sums[0] / sums[1]
+        self.log("test_loss", loss, sync_dist=True)
+        self.log("test_perplexity", torch.exp(loss), sync_dist=True)
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Prompt + greedy continuation ids of ``predict_max_new_tokens`` (hparam, default 64) for each row of
+        ``batch["input_ids"]`` (left-padded with ``attention_mask`` when the prompts differ in length)."""
+        from lightning_moe.generation import generate
+
+        self._check_batch(batch)
+        assert self.model is not None
+        return generate(self.model, batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                        max_new_tokens=int(self.hparams.get("predict_max_new_tokens", 64)))
 
     def on_validation_epoch_end(self) -> None:
         if self._val_sums is None:

@@ -409,3 +409,25 @@ def test_a_step_without_valid_tokens_is_an_error_or_skipped(tmp_path):
         L.Trainer(**kw).fit(module, data)
     assert module.last_step.skipped and module.last_train_loss is None
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+
+
+def test_python_entry_points_check_inputs_and_test_step_reports(tmp_path):
+    module = MoELanguageModel(module_config(), warmup_steps=0)
+    module.configure_model()
+    V, S = module.config.vocab_size, module.config.max_seq_len
+    with pytest.raises(ValueError, match=str(V)):
+        module(torch.full((1, 4), V))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        module(torch.zeros(1, S + 1, dtype=torch.long))
+    with pytest.raises(ValueError):
+        module(torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.tensor([[1.0, float("nan"), 1.0, 1.0]]))
+    data = ToyData(n_train=2, n_val=4, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    out = trainer.test(module, dataloaders=data.val_dataloader(), verbose=False)[0]
+    assert math.isclose(out["test_perplexity"], math.exp(out["test_loss"]), rel_tol=1e-5)
+    assert abs(out["test_loss"] - math.log(V)) < 1.5  # an untrained model is near uniform
+    module.hparams.predict_max_new_tokens = 6
+    prompts = torch.utils.data.DataLoader([{"input_ids": torch.randint(0, V, (8,))} for _ in range(2)], batch_size=2)
+    preds = trainer.predict(module, dataloaders=prompts)
+    assert preds[0].shape == (2, 8 + 6)
