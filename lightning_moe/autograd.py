@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["contiguous_grad", "in_backward"]
+__all__ = ["contiguous_grad", "contiguous_grad_", "in_backward"]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -25,6 +25,14 @@ def contiguous_grad(x: Tensor) -> Tensor:
     strided gradients: the grouped GEMM an expanded stride-0 one (``y.sum().backward()``), the all-gather's
     reduce-scatter (torch 2.11) the permuted one context parallelism produces."""
     return _ContiguousGrad.apply(x)
+
+
+def contiguous_grad_(x: Tensor) -> Tensor:
+    """:func:`contiguous_grad` in place: a gradient hook on ``x`` itself, so ``x`` stays what it was (not a view;
+    FSDP2 warns about modules that return views). Returns ``x``."""
+    if x.requires_grad:
+        x.register_hook(torch.Tensor.contiguous)
+    return x
 
 
 def in_backward() -> bool:

@@ -16,7 +16,7 @@ local first dimension.
     a valid "column-major" operand (the same K-major layout ``nn.Linear`` uses), so no copy is made; D and F
     must be multiples of 16 bytes / element size (8 for bf16, 4 for fp32), else we fall back to the loop;
   * on CPU its backward fails on an expanded stride-0 incoming gradient (``y.sum().backward()``): grads
-    reaching the kernel are made contiguous by :func:`~lightning_moe.autograd.contiguous_grad` (a no-op for contiguous grads);
+    reaching the kernel are made contiguous by :func:`~lightning_moe.autograd.contiguous_grad_` (a no-op for contiguous grads);
   * empty groups (repeated offsets) are valid; zero rows are valid in forward but the CUDA backward rejects the
     empty operand, so zero rows take plain matmuls (same empty output, zero weight gradients);
   * the CUDA kernel takes fewer than 1024 groups (local experts).
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.autograd import contiguous_grad
+from lightning_moe.autograd import contiguous_grad_
 
 __all__ = ["GroupedExperts", "SharedExperts"]
 
@@ -165,10 +165,10 @@ class GroupedExperts(nn.Module):
         offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
         gmm = self._grouped_mm
         # w[E, N, K].transpose(-2, -1) is the column-major [E, K, N] operand: x @ w[e].T, no copy
-        g_RF = contiguous_grad(gmm(x, w1.transpose(-2, -1), offs_e))
-        u_RF = contiguous_grad(gmm(x, w3.transpose(-2, -1), offs_e))
+        g_RF = contiguous_grad_(gmm(x, w1.transpose(-2, -1), offs_e))
+        u_RF = contiguous_grad_(gmm(x, w3.transpose(-2, -1), offs_e))
         h_RF = F.silu(g_RF) * u_RF
-        return contiguous_grad(gmm(h_RF, w2.transpose(-2, -1), offs_e))
+        return contiguous_grad_(gmm(h_RF, w2.transpose(-2, -1), offs_e))
 
     def forward_loop(self, x_RD: Tensor, counts_e: Tensor) -> Tensor:
         """Reference: a Python loop over local experts with plain matmuls (one host sync for the counts)."""
