@@ -41,7 +41,7 @@ Global batch
     ``accumulate_grad_batches``, so a change of layout keeps the global batches.
 
 Mid-epoch resume
-    Both loaders are :class:`ResumableDataLoader`\ s, stateful in Lightning's sense (``state_dict`` /
+    Both loaders are :class:`ResumableDataLoader` objects, stateful in Lightning's sense (``state_dict`` /
     ``load_state_dict``): Lightning stores the training loader's state in the fit loop's checkpoint state and
     restores it on ``fit(ckpt_path=...)``. The state is the epoch and the number of *global* samples of that
     epoch's order consumed (by every rank together), plus the seed and dataset size it refers to; it is the
@@ -143,6 +143,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self._iter_start = 0
         self._iter_len = 0
         self._consumed = 0  # samples of the running iteration handed out on this rank
+        self._epoch_offset = 0  # data epoch - Lightning's epoch (see set_epoch)
 
     def global_order(self) -> list[int]:
         """The epoch's global order of dataset indices (``total_size`` of them), as ``DistributedSampler``."""
@@ -158,22 +159,28 @@ class ResumableDistributedSampler(DistributedSampler):
         return _pad(order, self.total_size)
 
     def resume_at(self, epoch: int, start: int) -> None:
-        """Start the next iteration of ``epoch`` at global position ``start`` (once; ``set_epoch`` still applies)."""
+        """Start the next iteration in data epoch ``epoch`` at global position ``start`` (once)."""
         self._pending = (int(epoch), int(start))
-        self.set_epoch(int(epoch))  # for loaders whose workers draw indices before Lightning's set_epoch
+        self.epoch = int(epoch)  # for loaders whose workers draw indices before Lightning's set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning's epoch counter, mapped onto the data epoch (the number of finished passes over the data).
+
+        They agree, except after a resume from a checkpoint that Lightning wrote after ``max_steps`` stopped it
+        mid-epoch (``trainer.save_checkpoint`` after ``fit``): Lightning counts that epoch as finished and resumes
+        with the next epoch number at the saved batch index. The first ``set_epoch`` after :meth:`resume_at` fixes
+        the offset between the two counters, so the data goes on in the checkpoint's epoch and then the next one,
+        as in the uninterrupted run.
+        """
+        if self._pending is not None:
+            self._epoch_offset = self._pending[0] - int(epoch)
+        super().set_epoch(int(epoch) + self._epoch_offset)
 
     def __iter__(self) -> Iterator[int]:
         start = 0
         if self._pending is not None:
-            epoch, pending_start = self._pending
+            _, start = self._pending  # resume_at / set_epoch made self.epoch the pending epoch
             self._pending = None
-            if epoch == self.epoch:
-                start = pending_start
-            else:
-                rank_zero_warn(
-                    f"the data loader's checkpoint state is at epoch {epoch} but the trainer starts epoch "
-                    f"{self.epoch}: epoch {self.epoch} is read from its start"
-                )
         order = self.global_order()
         rest = order[start:]
         R = self.num_replicas
