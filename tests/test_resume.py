@@ -16,7 +16,7 @@ from typing import Any, Optional
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DistributedSampler
 
 from _dist import run_distributed
@@ -214,14 +214,14 @@ def _data(cls: type = TextDataModule) -> TextDataModule:
 
 
 def _fit(strategy: Any, steps: int, ckpt_in: Optional[str] = None, ckpt_out: Optional[str] = None,
-         seed: int = 0, data_cls: type = TextDataModule) -> dict[str, Any]:
+         seed: int = 0, data_cls: type = TextDataModule, callbacks: tuple = ()) -> dict[str, Any]:
     torch.manual_seed(seed)  # a resumed run starts from other weights: the checkpoint must overwrite them
     model = MoELanguageModel(small_config(**MOE), lr=3e-3, warmup_steps=2, max_steps=STEPS, min_lr_ratio=0.1)
     rec = Record()
     devices = 1 if strategy == "auto" else torch.distributed.get_world_size()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
-                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec])
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec, *callbacks])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=_data(data_cls), ckpt_path=ckpt_in)
@@ -258,8 +258,11 @@ def one_process(tmp_path_factory) -> dict[str, Any]:
     resume with the code before the fix."""
     tmp = tmp_path_factory.mktemp("one")
     ckpt = str(tmp / "step3.ckpt")
-    out = {"ckpt": ckpt, "ref": _fit("auto", STEPS), "first": _fit("auto", CUT, ckpt_out=ckpt)}
+    # the uninterrupted run also writes a checkpoint at step 3 from inside the epoch (ModelCheckpoint)
+    every = ModelCheckpoint(dirpath=str(tmp), filename="{step}", every_n_train_steps=CUT, save_top_k=-1)
+    out = {"ckpt": ckpt, "ref": _fit("auto", STEPS, callbacks=(every,)), "first": _fit("auto", CUT, ckpt_out=ckpt)}
     out["resumed"] = _fit("auto", STEPS, ckpt_in=ckpt, seed=1)
+    out["resumed_callback_ckpt"] = _fit("auto", STEPS, ckpt_in=str(tmp / f"step={CUT}.ckpt"), seed=1)
     # the code before the fix: no loader state in the checkpoint, a loader without state
     old = torch.load(ckpt, weights_only=True)
     del old["loops"]["fit_loop"]["state_dict"]["combined_loader"]
@@ -287,6 +290,10 @@ def test_one_process_mid_epoch_resume_is_exact(one_process):
     assert not _differences(resumed, ref), "\n".join(_differences(resumed, ref))
     # the losses really move: a resume that read other samples could not pass by accident
     assert len({round(x, 6) for x in ref["losses"]}) == STEPS
+    # a checkpoint written by ModelCheckpoint inside the epoch (Lightning's counters say epoch 0, batch 3)
+    from_callback = one_process["resumed_callback_ckpt"]
+    assert from_callback["epochs"] == [0, 1, 1] and from_callback["epoch"] == 2
+    assert not _differences(from_callback, ref), "\n".join(_differences(from_callback, ref))
 
 
 def test_resume_without_the_data_position_differs(one_process):
