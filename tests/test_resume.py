@@ -232,8 +232,8 @@ def _fit(strategy: Any, steps: int, ckpt_in: Optional[str] = None, ckpt_out: Opt
     full = get_model_state_dict(model.model, options=StateDictOptions(full_state_dict=True))
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().float().clone()
              for k, v in full.items()}
-    return {"losses": rec.losses, "batches": rec.batches, "epochs": rec.epochs, "state": state, "global_step": trainer.global_step,
-            "epoch": trainer.current_epoch, "sampler": type(trainer.train_dataloader.sampler).__name__,
+    return {"losses": rec.losses, "batches": rec.batches, "epochs": rec.epochs, "state": state,
+            "global_step": trainer.global_step, "epoch": trainer.current_epoch, "sampler": type(trainer.train_dataloader.sampler).__name__,
             "not_resumable_warning": any("not resumable" in str(w.message) for w in caught)}
 
 
