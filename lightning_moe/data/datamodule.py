@@ -24,12 +24,29 @@ Train / validation split
 Sampling
     Lightning swaps a training DataLoader's sampler for ``DistributedSampler(shuffle=True)`` over the
     strategy's ``distributed_sampler_kwargs`` unless the loader already holds a ``DistributedSampler``.
-    So both loaders *always* use our own ``DistributedSampler`` (also on one process), built over the
-    *batch view* of the strategy: ranks that must see the same samples (tensor- / context- / expert-
-    parallel peers) share a batch-view rank. The view is ``set_batch_view(num_replicas, rank)`` if that
-    was called, else ``trainer.strategy.distributed_sampler_kwargs`` of an attached trainer, else (1, 0).
-    Lightning calls ``sampler.set_epoch(epoch)`` each epoch, so the shuffle order (``seed + epoch``) is
-    the same on every rank and every run.
+    So both loaders *always* use our own :class:`ResumableDistributedSampler` (a ``DistributedSampler``
+    subclass; also on one process), built over the *batch view* of the strategy: ranks that must see the
+    same samples (tensor- / context- / expert-parallel peers) share a batch-view rank. The view is
+    ``set_batch_view(num_replicas, rank)`` if that was called, else ``trainer.strategy.distributed_sampler_kwargs``
+    of an attached trainer, else (1, 0). Lightning calls ``sampler.set_epoch(epoch)`` each epoch, so the
+    shuffle order (``seed + epoch``) is the same on every rank and every run.
+
+Global batch
+    ``batch_size`` is per batch-view (data-parallel) rank and per micro-batch: one optimizer step reads
+    ``batch_size x num_replicas x accumulate_grad_batches`` samples (the *global batch*). Each epoch has one
+    global order of the training samples (the seeded permutation, cut to a multiple of ``num_replicas``);
+    rank ``r`` reads positions ``r, r + R, r + 2R, ...`` of it, so the ``k``-th micro-batches of all ranks
+    together are positions ``[k*b*R, (k+1)*b*R)``: the same samples under every layout with the same
+    ``b*R``. ``global_batch_size`` derives ``batch_size`` from the layout and the trainer's
+    ``accumulate_grad_batches``, so a change of layout keeps the global batches.
+
+Mid-epoch resume
+    Both loaders are :class:`ResumableDataLoader` objects, stateful in Lightning's sense (``state_dict`` /
+    ``load_state_dict``): Lightning stores the training loader's state in the fit loop's checkpoint state and
+    restores it on ``fit(ckpt_path=...)``. The state is the epoch and the number of *global* samples of that
+    epoch's order consumed (by every rank together), plus the seed and dataset size it refers to; it is the
+    same on every rank, so rank 0's copy restores every rank, under this layout or another one. The resumed
+    epoch continues at the next sample of the same order: nothing is repeated or skipped.
 """
 
 from __future__ import annotations
@@ -37,17 +54,18 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_moe.data.collate import collate
 from lightning_moe.data.corpus import EMBEDDED_CORPUS_MAX_BYTES, load_documents
 from lightning_moe.data.tokenizer import ByteTokenizer, load_hf_tokenizer
 
-__all__ = ["PackedDataset", "TextDataModule", "pack_documents"]
+__all__ = ["PackedDataset", "ResumableDataLoader", "ResumableDistributedSampler", "TextDataModule", "pack_documents"]
 
 
 class PackedDataset(Dataset):
@@ -104,6 +122,180 @@ def pack_documents(docs: list[str], tokenizer: Any, eos_id: int, max_tokens: Opt
     return tokens
 
 
+class ResumableDistributedSampler(DistributedSampler):
+    """A ``DistributedSampler`` (Lightning keeps it) whose epoch can start at a global position.
+
+    Iterating yields exactly what ``DistributedSampler`` yields (the epoch's global order, cut to a multiple of
+    ``num_replicas`` with ``drop_last``, else padded by repeating its head; rank ``r`` reads positions ``r, r+R,
+    ...``), except that an epoch restored by :meth:`resume_at` starts at global position ``start``: the rank then
+    reads positions ``start + r, start + r + R, ...`` (when ``start`` is not a multiple of ``R``, after a change
+    of layout, the rest is cut or padded again to a multiple of ``R``). ``len()`` stays the whole epoch's count,
+    as Lightning counts the batches of a resumed epoch from the epoch's start.
+
+    The loader that iterates it (:class:`ResumableDataLoader`) reports how many samples it handed out
+    (:meth:`position` is then the global position of the next sample).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: Optional[tuple[int, int]] = None  # (epoch, start) for the next iteration, from a checkpoint
+        self._iter_epoch: Optional[int] = None  # the running iteration: epoch, start, samples of this rank
+        self._iter_start = 0
+        self._iter_len = 0
+        self._consumed = 0  # samples of the running iteration handed out on this rank
+        self._epoch_offset = 0  # data epoch - Lightning's epoch (see set_epoch)
+
+    def global_order(self) -> list[int]:
+        """The epoch's global order of dataset indices (``total_size`` of them), as ``DistributedSampler``."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        if self.drop_last:
+            return order[: self.total_size]
+        return _pad(order, self.total_size)
+
+    def resume_at(self, epoch: int, start: int) -> None:
+        """Start the next iteration in data epoch ``epoch`` at global position ``start`` (once)."""
+        self._pending = (int(epoch), int(start))
+        self.epoch = int(epoch)  # for loaders whose workers draw indices before Lightning's set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning's epoch counter, mapped onto the data epoch (the number of finished passes over the data).
+
+        They agree, except after a resume from a checkpoint that Lightning wrote after ``max_steps`` stopped it
+        mid-epoch (``trainer.save_checkpoint`` after ``fit``): Lightning counts that epoch as finished and resumes
+        with the next epoch number at the saved batch index. The first ``set_epoch`` after :meth:`resume_at` fixes
+        the offset between the two counters, so the data goes on in the checkpoint's epoch and then the next one,
+        as in the uninterrupted run.
+        """
+        if self._pending is not None:
+            self._epoch_offset = self._pending[0] - int(epoch)
+        super().set_epoch(int(epoch) + self._epoch_offset)
+
+    def __iter__(self) -> Iterator[int]:
+        start = 0
+        if self._pending is not None:
+            _, start = self._pending  # resume_at / set_epoch made self.epoch the pending epoch
+            self._pending = None
+        order = self.global_order()
+        rest = order[start:]
+        R = self.num_replicas
+        if len(rest) % R:  # only after a change of layout that moved the global batch boundaries
+            rest = rest[: len(rest) - len(rest) % R] if self.drop_last else rest + _pad(order, R - len(rest) % R)
+        self._iter_epoch, self._iter_start, self._iter_len, self._consumed = self.epoch, start, len(rest) // R, 0
+        return iter(rest[self.rank :: R])
+
+    def _handed_out(self, count: int) -> None:
+        self._consumed = min(self._consumed + count, self._iter_len)
+
+    def _new_iteration(self) -> None:
+        """A new loader iteration begins (nothing of it consumed yet); the sampler itself runs on the first batch."""
+        self._iter_epoch = None
+
+    def position(self) -> tuple[int, int]:
+        """``(epoch, global position of the next sample)``: the same on every rank of the batch view."""
+        if self._pending is not None:
+            return self._pending
+        if self._iter_epoch is None:
+            return self.epoch, 0
+        return self._iter_epoch, self._iter_start + self._consumed * self.num_replicas
+
+
+def _pad(order: list[int], size: int) -> list[int]:
+    """``order`` cut or padded (by repeating it from its head) to ``size`` entries."""
+    if not order:
+        return order
+    reps = -(-size // len(order))
+    return (order * reps)[:size]
+
+
+class _CountingIterator:
+    """Wraps a DataLoader iterator and tells the sampler how many samples each handed-out batch held."""
+
+    def __init__(self, inner: Iterator[Any], sampler: ResumableDistributedSampler, batch_size: int) -> None:
+        self._inner = inner
+        self._sampler = sampler
+        self._batch_size = batch_size
+
+    def __iter__(self) -> "_CountingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        self._sampler._handed_out(self._batch_size)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableDistributedSampler` with Lightning's stateful-loader interface.
+
+    ``state_dict()`` is the position in the epoch's global sample order of the samples *handed out* by this
+    loader (not the ones its workers prefetched); ``load_state_dict()`` makes the next iteration continue there.
+    Lightning calls both on the training loader (the fit loop's checkpoint state, written by rank 0); the state
+    is rank-independent. A state from another data set, seed or shuffle setting is refused (ValueError).
+    """
+
+    STATE_VERSION = 1
+
+    @property
+    def _resumable_sampler(self) -> ResumableDistributedSampler:
+        sampler = self.sampler
+        if not isinstance(sampler, ResumableDistributedSampler) or self.batch_size is None:
+            raise TypeError("ResumableDataLoader needs a ResumableDistributedSampler and a batch_size")
+        return sampler
+
+    def __iter__(self) -> Any:
+        sampler = self._resumable_sampler
+        sampler._new_iteration()
+        return _CountingIterator(super().__iter__(), sampler, int(self.batch_size))  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self._resumable_sampler
+        epoch, seen = sampler.position()
+        return {
+            "version": self.STATE_VERSION,
+            "epoch": int(epoch),
+            "samples_seen": int(seen),  # global position in the epoch's order: every rank's samples together
+            "dataset_size": len(sampler.dataset),  # type: ignore[arg-type]
+            "seed": int(sampler.seed),
+            "shuffle": bool(sampler.shuffle),
+            "global_batch_size": int(self.batch_size) * sampler.num_replicas,  # type: ignore[arg-type]
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sampler = self._resumable_sampler
+        if state_dict.get("version") != self.STATE_VERSION:
+            raise ValueError(f"unknown data loader state {state_dict!r}: not written by this version of lightning_moe")
+        mine = {"dataset_size": len(sampler.dataset), "seed": int(sampler.seed),  # type: ignore[arg-type]
+                "shuffle": bool(sampler.shuffle)}
+        differ = {k: (state_dict[k], v) for k, v in mine.items() if state_dict.get(k) != v}
+        if differ:
+            detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differ.items())
+            raise ValueError(
+                f"the checkpoint's data position refers to another sample order ({detail}); resume with the data "
+                "settings of the checkpointed run (files, seq_len, max_tokens, val_fraction, seed, shuffle)"
+            )
+        batch = int(self.batch_size) * sampler.num_replicas  # type: ignore[arg-type]
+        if state_dict["global_batch_size"] != batch:
+            rank_zero_warn(
+                f"the checkpointed run read global micro-batches of {state_dict['global_batch_size']} samples, this "
+                f"one reads {batch} (batch_size x data-parallel ranks): the data continues at the next sample but "
+                "the steps hold other samples than an uninterrupted run's; set `global_batch_size` to keep them"
+            )
+        epoch, seen = int(state_dict["epoch"]), int(state_dict["samples_seen"])
+        left_per_rank = max(0, sampler.total_size - seen) // sampler.num_replicas
+        if left_per_rank < (int(self.batch_size) if self.drop_last else 1):  # type: ignore[arg-type]
+            epoch, seen = epoch + 1, 0  # the epoch was finished: Lightning starts the next one
+        sampler.resume_at(epoch, seen)
+
+
 class TextDataModule(LightningDataModule):
     """Packed language-modelling batches from local text files or the embedded corpus.
 
@@ -117,7 +309,8 @@ class TextDataModule(LightningDataModule):
         tokenizer: ``None`` for the byte tokenizer (vocab 260), else the path of a *local* Hugging Face
             tokenizer directory (needs ``transformers``; nothing is downloaded).
         seq_len: tokens per sample.
-        batch_size: samples per batch on each data-parallel (batch-view) rank.
+        batch_size: samples per micro-batch on each data-parallel (batch-view) rank; an optimizer step reads
+            ``batch_size x data-parallel ranks x accumulate_grad_batches`` samples (the global batch).
         val_fraction: fraction of samples, taken from the tail of the stream, used for validation; 0 = none.
         shuffle: shuffle training samples (each epoch, seeded with ``seed + epoch``).
         seed: shuffle seed; identical on all ranks.
@@ -125,6 +318,11 @@ class TextDataModule(LightningDataModule):
         max_tokens: cap on the packed stream length (tokens). For the embedded corpus a cap above 8M also
             reads more of the standard library (up to all of it).
         drop_last: drop the incomplete last training batch (and the shard remainder so ranks stay even).
+        global_batch_size: samples per optimizer step over all data-parallel ranks; None = off (use
+            ``batch_size``). When set, the per-rank ``batch_size`` is derived from the layout as
+            ``global_batch_size / (data-parallel ranks x accumulate_grad_batches)`` (ValueError when that is
+            not an integer), so a change of layout keeps the global batch and a resumed run reads the same
+            steps as an uninterrupted one.
     """
 
     def __init__(
@@ -140,6 +338,7 @@ class TextDataModule(LightningDataModule):
         num_workers: int = 0,
         max_tokens: Optional[int] = None,
         drop_last: bool = True,
+        global_batch_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
@@ -156,6 +355,12 @@ class TextDataModule(LightningDataModule):
             isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0
         ):
             raise ValueError(f"max_tokens must be a positive integer or null, got {max_tokens!r}.")
+        if global_batch_size is not None and (
+            isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0
+        ):
+            raise ValueError(
+                f"global_batch_size must be a positive integer or null, got {global_batch_size!r}."
+            )
         if isinstance(files, (str, os.PathLike)):
             files = [files]
         self.files = None if files is None else [os.fspath(f) for f in files]
@@ -172,6 +377,7 @@ class TextDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.max_tokens = max_tokens
         self.drop_last = drop_last
+        self.global_batch_size = global_batch_size
         self.save_hyperparameters()
 
         self._tokenizer_obj: Any = None
@@ -273,6 +479,24 @@ class TextDataModule(LightningDataModule):
                 f"{max(high + 1, tok_vocab)} (the tokenizer has {tok_vocab} tokens) or use a smaller tokenizer"
             )
 
+    # ------------------------------------------------------------------ batch size
+    def per_rank_batch_size(self) -> int:
+        """Samples per micro-batch on this batch-view rank: ``batch_size``, or with ``global_batch_size``
+        ``global_batch_size / (num_replicas x accumulate_grad_batches)`` of the attached trainer."""
+        if self.global_batch_size is None:
+            return self.batch_size
+        num_replicas, _ = self.batch_view()
+        trainer = getattr(self, "trainer", None)
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if trainer is not None else 1
+        per_step = num_replicas * accumulate
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not divide over {num_replicas} data-parallel "
+                f"rank(s) x accumulate_grad_batches={accumulate}: choose a multiple of {per_step}, or set "
+                "`global_batch_size: null` and a per-rank `batch_size`"
+            )
+        return self.global_batch_size // per_step
+
     # ------------------------------------------------------------------ data
     def prepare_data(self) -> None:
         """Nothing to download: every source is local. Tokenising happens in :meth:`setup` on each process."""
@@ -312,9 +536,9 @@ class TextDataModule(LightningDataModule):
     def _loader(self, dataset: PackedDataset, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
         self.check_limits()
         vocab, max_seq_len = self.model_limits()
-        return DataLoader(
+        return ResumableDataLoader(
             dataset,
-            batch_size=self.batch_size,
+            batch_size=self.per_rank_batch_size(),
             sampler=sampler,
             drop_last=drop_last,
             num_workers=self.num_workers,
@@ -323,18 +547,20 @@ class TextDataModule(LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        """Training batches in a :class:`ResumableDataLoader` (see *Mid-epoch resume* in the module docstring)."""
         self.setup("fit")
         assert self.train_dataset is not None
         num_replicas, rank = self.batch_view()
+        batch_size = self.per_rank_batch_size()
         n = len(self.train_dataset)
-        full_batches = (n // num_replicas) // self.batch_size  # per rank, with drop_last
+        full_batches = (n // num_replicas) // batch_size  # per rank, with drop_last
         if (full_batches if self.drop_last else n) < 1:
             raise ValueError(
                 f"{len(self.train_dataset)} training samples (seq_len={self.seq_len}) over {num_replicas} "
-                f"data-parallel rank(s) give no full batch of batch_size={self.batch_size}; lower `batch_size` "
+                f"data-parallel rank(s) give no full batch of batch_size={batch_size}; lower `batch_size` "
                 "or `seq_len`, add data, or set `drop_last: false`."
             )
-        sampler = DistributedSampler(
+        sampler = ResumableDistributedSampler(
             self.train_dataset,
             num_replicas=num_replicas,
             rank=rank,
@@ -348,14 +574,15 @@ class TextDataModule(LightningDataModule):
         """Validation batches; an empty list when ``val_fraction == 0`` (Lightning then skips validation).
 
         Sharded over the batch view without shuffling and without dropping; with several replicas the
-        sampler repeats a few samples so every rank gets the same number of batches.
+        sampler repeats a few samples so every rank gets the same number of batches. Also a
+        :class:`ResumableDataLoader` (each validation run reads the whole set from its start).
         """
         self.setup("validate")
         assert self.val_dataset is not None
         if len(self.val_dataset) == 0:
             return []
         num_replicas, rank = self.batch_view()
-        sampler = DistributedSampler(
+        sampler = ResumableDistributedSampler(
             self.val_dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False
         )
         return self._loader(self.val_dataset, sampler, False)
