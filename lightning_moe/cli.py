@@ -456,6 +456,10 @@ class MoECLI(LightningCLI):
     def before_fit(self) -> None:
         self._announce_default_logger()
 
+    def before_predict(self) -> None:
+        if not getattr(self.datamodule, "predict_prompts", None):
+            raise UsageError("nothing to predict: give the prompts with --data.predict_prompts '[\"def main(\"]'")
+
 
 def _plain(value: Any) -> Any:
     """A jsonargparse Namespace as a plain dict (other values unchanged)."""

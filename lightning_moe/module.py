@@ -420,15 +420,33 @@ class MoELanguageModel(L.LightningModule):
         self.log("test_loss", loss, sync_dist=True)
         self.log("test_perplexity", torch.exp(loss), sync_dist=True)
 
-    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Prompt + greedy continuation ids of ``predict_max_new_tokens`` (hparam, default 64) for each row of
-        ``batch["input_ids"]`` (left-padded with ``attention_mask`` when the prompts differ in length)."""
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        """Greedy continuations of ``predict_max_new_tokens`` (hparam, default 64) for ``batch["input_ids"]``
+        (left-padded with ``attention_mask`` when the prompts differ in length). Returns the prompt + continuation
+        ids; when the batch carries the prompt strings (``TextDataModule(predict_prompts=...)``) it returns
+        ``[{"prompt": ..., "completion": ...}]`` decoded with the data module's tokenizer and prints them."""
         from lightning_moe.generation import generate
 
-        self._check_batch(batch)
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        self._check_batch({"input_ids": ids, **({"attention_mask": mask} if mask is not None else {})})
         assert self.model is not None
-        return generate(self.model, batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                        max_new_tokens=int(self.hparams.get("predict_max_new_tokens", 64)))
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        eos = getattr(dm, "eos_id", None)
+        out = generate(self.model, ids, attention_mask=mask, eos_token_id=eos,
+                       max_new_tokens=int(self.hparams.get("predict_max_new_tokens", 64)))
+        prompts = batch.get("prompt")
+        if prompts is None or dm is None or not hasattr(dm, "get_tokenizer"):
+            return out
+        tok = dm.get_tokenizer()
+        results = []
+        for prompt, row in zip(prompts, out[:, ids.shape[1]:].tolist()):
+            if eos is not None and eos in row:
+                row = row[: row.index(eos)]
+            results.append({"prompt": prompt, "completion": tok.decode(row)})
+            if self.trainer.is_global_zero:
+                print(f"{prompt}{results[-1]['completion']}\n")
+        return results
 
     def on_validation_epoch_end(self) -> None:
         if self._val_sums is None:

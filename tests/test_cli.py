@@ -405,3 +405,22 @@ def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys):
     assert "no last checkpoint under" in capsys.readouterr().err
     assert _run(args + ["--trainer.max_steps=1", "--ckpt_path=last"]) == 0
     assert "training starts FROM SCRATCH" in capsys.readouterr().err
+
+
+def test_test_and_predict_commands(tmp_path, capsys):
+    """`lightning-moe test` reports test_loss / test_perplexity on test files (or the validation split);
+    `lightning-moe predict` prints the prompts' continuations."""
+    text = tmp_path / "t.txt"
+    text.write_text("def main():\n    return 0\n" * 200)
+    base = ["--config", TINY, f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=60000",
+            "--trainer.enable_progress_bar=false", "--trainer.logger=false", "--trainer.limit_test_batches=2",
+            "--trainer.limit_predict_batches=1"]
+    assert _run(["test"] + base + [f"--data.test_files={text}"]) == 0
+    out = capsys.readouterr().out
+    assert "test_loss" in out and "test_perplexity" in out, out[-1500:]
+    assert _run(["predict"] + base + ["--data.predict_prompts=[\"def main(\", \"import o\"]",
+                                      "--model.predict_max_new_tokens=5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("def main(") >= 1 and "import o" in out, out[-1500:]
+    assert _run(["predict"] + base) == 2
+    assert "nothing to predict" in capsys.readouterr().err

@@ -323,6 +323,10 @@ class TextDataModule(LightningDataModule):
             ``global_batch_size / (data-parallel ranks x accumulate_grad_batches)`` (ValueError when that is
             not an integer), so a change of layout keeps the global batch and a resumed run reads the same
             steps as an uninterrupted one.
+        test_files: files for ``trainer.test`` / ``lightning-moe test`` (same formats as ``files``), packed whole;
+            None = the validation split.
+        predict_prompts: prompts for ``trainer.predict`` / ``lightning-moe predict`` (one string or a list); each
+            batch is left-padded with an ``attention_mask`` and carries the prompts under ``"prompt"``.
     """
 
     def __init__(
@@ -339,6 +343,8 @@ class TextDataModule(LightningDataModule):
         max_tokens: Optional[int] = None,
         drop_last: bool = True,
         global_batch_size: Optional[int] = None,
+        test_files: Optional[Union[str, list[str]]] = None,
+        predict_prompts: Optional[Union[str, list[str]]] = None,
     ) -> None:
         super().__init__()
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
@@ -364,6 +370,16 @@ class TextDataModule(LightningDataModule):
         if isinstance(files, (str, os.PathLike)):
             files = [files]
         self.files = None if files is None else [os.fspath(f) for f in files]
+        if isinstance(test_files, (str, os.PathLike)):
+            test_files = [test_files]
+        self.test_files = None if test_files is None else [os.fspath(f) for f in test_files]
+        for f in self.test_files or []:
+            if not os.path.exists(os.path.expanduser(f)):
+                raise ValueError(f"test file or directory {f!r} does not exist; fix the path in `test_files`.")
+        if isinstance(predict_prompts, str):
+            predict_prompts = [predict_prompts]
+        self.predict_prompts = None if predict_prompts is None else [str(p) for p in predict_prompts]
+        self.test_dataset: Optional[PackedDataset] = None
         for f in self.files or []:
             if not os.path.exists(os.path.expanduser(f)):
                 raise ValueError(f"data file or directory {f!r} does not exist; fix the path in `files`.")
@@ -586,3 +602,43 @@ class TextDataModule(LightningDataModule):
             self.val_dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False
         )
         return self._loader(self.val_dataset, sampler, False)
+
+    def test_dataloader(self) -> Any:
+        """``test_files`` packed whole (sharded over the batch view like validation), else the validation split."""
+        if self.test_files is None:
+            return self.val_dataloader()
+        if self.test_dataset is None:
+            docs = load_documents(self.test_files, self.text_field, EMBEDDED_CORPUS_MAX_BYTES)
+            tokens = pack_documents(docs, self.get_tokenizer(), self.eos_id)
+            n = (tokens.numel() - 1) // self.seq_len if tokens.numel() > 0 else 0
+            if n < 1:
+                raise ValueError(f"test_files {self.test_files!r} hold {tokens.numel()} tokens, too few for one sample "
+                                 f"of seq_len={self.seq_len}; add text or lower `seq_len`.")
+            self.test_dataset = PackedDataset(tokens, self.seq_len, 0, n)
+        num_replicas, rank = self.batch_view()
+        sampler = ResumableDistributedSampler(self.test_dataset, num_replicas=num_replicas, rank=rank, shuffle=False,
+                                              drop_last=False)
+        return self._loader(self.test_dataset, sampler, False)
+
+    def predict_dataloader(self) -> Any:
+        """The ``predict_prompts``, tokenised (no EOS appended), left-padded per batch with an attention mask."""
+        if not self.predict_prompts:
+            raise ValueError("nothing to predict: give the prompts with `predict_prompts` (e.g. "
+                             "--data.predict_prompts '[\"def main(\"]')")
+        tok = self.get_tokenizer()
+        rows = [{"prompt": p, "ids": torch.tensor(tok.encode(p), dtype=torch.long)} for p in self.predict_prompts]
+        if any(r["ids"].numel() == 0 for r in rows):
+            raise ValueError("an empty prompt cannot be continued: remove it from `predict_prompts`")
+        pad = self.eos_id
+
+        def left_pad(batch: list[dict[str, Any]]) -> dict[str, Any]:
+            S = max(r["ids"].numel() for r in batch)
+            ids = torch.full((len(batch), S), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), S), dtype=torch.long)
+            for i, r in enumerate(batch):
+                n = r["ids"].numel()
+                ids[i, S - n:] = r["ids"]
+                mask[i, S - n:] = 1
+            return {"input_ids": ids, "attention_mask": mask, "prompt": [r["prompt"] for r in batch]}
+
+        return DataLoader(rows, batch_size=self.per_rank_batch_size(), shuffle=False, collate_fn=left_pad)
