@@ -178,3 +178,27 @@ def test_final_checkpoint_and_a_new_lr_on_resume(tmp_path):
                             ckpt_path=str(five))
         # the schedule's position (step 5 of 20) continues with the base LR given now
         assert rec.lr == pytest.approx(want_base * warmup_cosine(5, 0, 20, 0.1)), (new_lr, rec.lr)
+
+
+def _model_checkpoint_dirs(rank: int, world_size: int, tmp: str) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cb = ModelCheckpoint(dirpath=tmp, filename="{step}", every_n_train_steps=1, save_top_k=2, monitor="train_loss",
+                         mode="min", save_last=True)
+    model = MoELanguageModel(small_config(), lr=1e-2, warmup_steps=0)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MoEParallelStrategy(ep=2), max_steps=4, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[cb])
+    trainer.fit(model, datamodule=FixedData(GLOBAL_BATCH // 2, GLOBAL_BATCH * 4))
+    dist.barrier()
+    return {"entries": sorted(p.name for p in Path(tmp).iterdir()), "best": sorted(Path(p).name for p in cb.best_k_models),
+            "dirs": all((Path(tmp) / n).is_dir() for n in ("last.ckpt",))}
+
+
+def test_model_checkpoint_top_k_and_last_with_distributed_checkpoints(tmp_path):
+    out = run_distributed(_model_checkpoint_dirs, 2, str(tmp_path))
+    ckpts = [e for e in out["entries"] if e.endswith(".ckpt")]
+    # top-2 of 4 steps kept (the others removed, directories included) plus last; no temporary leftovers
+    assert sorted(ckpts) == sorted(out["best"] + ["last.ckpt"]), out
+    assert len(out["best"]) == 2 and out["dirs"]
+    assert not any(e.endswith((".tmp", ".old")) for e in out["entries"]), out
