@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> dict:
             return DataLoader(rows, batch_size=len(local), shuffle=False)
 
     path = os.path.join(args.dir, "ckpt")
-    out: dict = {"layout": args.layout, "world": world, "layers": cfg.num_layers,
+    out: dict = {"layout": args.layout, "world": world, "layers": cfg.num_layers, "async_save": args.async_save,
                  "params": cfg.count_params()["total"], "resume": args.resume}
 
     class Record(L.Callback):
@@ -82,20 +82,23 @@ def run(args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             trainer.save_checkpoint(path)
             out["save_s"] = time.perf_counter() - t0
-            out["checkpoint_gib"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**30
+            if not args.async_save:  # an asynchronous checkpoint appears at its path at the end of fit
+                out["checkpoint_gib"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**30
 
     torch.manual_seed(0)
     model = MoELanguageModel(cfg, lr=3e-4, warmup_steps=2, max_steps=100)
     rec = Record()
     total = args.steps + args.after
     trainer = L.Trainer(accelerator="cpu" if args.cpu else "gpu", devices=world,
-                        strategy=MoEParallelStrategy(**layout), precision="32-true" if args.cpu else "bf16-true",
+                        strategy=MoEParallelStrategy(**layout, async_save=args.async_save), precision="32-true" if args.cpu else "bf16-true",
                         max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                         use_distributed_sampler=False, callbacks=[rec])
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=Fixed(), ckpt_path=path if args.resume else None)
     out["fit_s"] = time.perf_counter() - t0
+    if not args.resume and "checkpoint_gib" not in out:
+        out["checkpoint_gib"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**30
     out["after_losses"] = rec.losses[-args.after:]
     out["losses"] = rec.losses
     if cuda:
@@ -129,6 +132,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--async-save", action="store_true", help="DCP async_save: the stall is the state copy only")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--small", action="store_true", help="the tiny preset (CPU smoke test)")
     p.add_argument("--out", default=None)

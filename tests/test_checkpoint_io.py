@@ -202,3 +202,46 @@ def test_model_checkpoint_top_k_and_last_with_distributed_checkpoints(tmp_path):
     assert sorted(ckpts) == sorted(out["best"] + ["last.ckpt"]), out
     assert len(out["best"]) == 2 and out["dirs"]
     assert not any(e.endswith((".tmp", ".old")) for e in out["entries"]), out
+
+
+def _async(rank: int, world_size: int, tmp: str) -> dict:
+    from lightning.pytorch.callbacks import Callback
+
+    class SaveAt(Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == 2:
+                trainer.save_checkpoint(f"{tmp}/async.ckpt")
+                self.visible_right_after = Path(f"{tmp}/async.ckpt").exists()
+
+    def run(steps: int, ckpt: Any = None, async_save: bool = True, callbacks: Any = ()) -> Any:
+        torch.manual_seed(0 if ckpt is None else 1)
+        model = MoELanguageModel(small_config(), lr=1e-2, warmup_steps=1, max_steps=4)
+        losses: list[float] = []
+
+        class Rec(Callback):
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                losses.append(float(pl_module.last_step.loss))
+
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MoEParallelStrategy(ep=2, async_save=async_save),
+                            max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                            use_distributed_sampler=False, callbacks=[Rec(), *callbacks])
+        # one batch per epoch, the same every epoch: a resume reads what the uninterrupted run read
+        trainer.fit(model, datamodule=FixedData(GLOBAL_BATCH // 2, GLOBAL_BATCH), ckpt_path=ckpt)
+        return losses
+
+    cb = SaveAt()
+    ref = run(4, callbacks=[cb])
+    out = {"visible_right_after": cb.visible_right_after,
+           "files": sorted(p.name for p in Path(f"{tmp}/async.ckpt").iterdir()),
+           "leftovers": sorted(p.name for p in Path(tmp).iterdir() if p.name.endswith((".tmp", ".old")))}
+    out["ref"], out["resumed"] = ref, run(4, ckpt=f"{tmp}/async.ckpt", async_save=False)
+    return out
+
+
+def test_async_save_becomes_visible_atomically_and_resumes_exactly(tmp_path):
+    out = run_distributed(_async, 2, str(tmp_path))
+    assert out["visible_right_after"] is False, "the checkpoint must appear only once completely written"
+    assert "checksums.json" in out["files"] and "meta.pt" in out["files"] and not out["leftovers"], out
+    ref, resumed = out["ref"], out["resumed"]
+    assert len(resumed) == 2 and resumed == pytest.approx(ref[2:], rel=1e-5), (ref, resumed)

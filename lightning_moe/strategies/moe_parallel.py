@@ -76,6 +76,9 @@ class MoEParallelStrategy(ParallelStrategy):
         param_dtype, reduce_dtype: FSDP2 mixed precision (``"bf16"``, ``"fp32"``; None = the parameter dtype).
         activation_checkpointing: ``"none"`` or ``"full"`` (whole blocks).
         save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint file written by rank 0.
+        async_save: distributed checkpoints saved during training are written in the background (DCP
+            ``async_save``); training stalls only for the state-dict copy to the CPU. The checkpoint appears at its
+            path (atomically, with its checksums) once written: at the next save, a load, or the end of fit.
         process_group_backend: None = nccl on CUDA, gloo on CPU.
         timeout: process group timeout.
     """
@@ -96,6 +99,7 @@ class MoEParallelStrategy(ParallelStrategy):
         reduce_dtype: Optional[str] = None,
         activation_checkpointing: str = "none",
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         **strategy_kwargs: Any,  # accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin
@@ -118,6 +122,9 @@ class MoEParallelStrategy(ParallelStrategy):
         self._reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
         self._activation_checkpointing = activation_checkpointing
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._async_save = async_save
+        self._pending_save: Optional[tuple[Any, Path, Path, dict[str, Any]]] = None
+        self._gloo_group: Optional[Any] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -289,6 +296,12 @@ class MoEParallelStrategy(ParallelStrategy):
         dist.all_reduce(out, op=op, group=group)
         return out / dist.get_world_size(group) if mean else out
 
+    @override
+    def teardown(self) -> None:
+        if self._pending_save is not None and dist.is_initialized():
+            self.finish_pending_save()  # an asynchronous save still in flight becomes visible before the end
+        super().teardown()
+
     # ---- the layout ----------------------------------------------------------------------------------------
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -394,6 +407,7 @@ class MoEParallelStrategy(ParallelStrategy):
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        self.finish_pending_save()
         path = Path(self.broadcast(str(filepath)))
         if not self._save_distributed_checkpoint:
             if self.is_global_zero:
@@ -418,7 +432,27 @@ class MoEParallelStrategy(ParallelStrategy):
             tensors[f"optimizer_{i}"] = {"state": osd["state"]}
             groups.append(osd["param_groups"])  # names and hyper-parameters: plain data, in the metadata file
         checkpoint["optimizer_param_groups"] = groups
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._async_save and trainer is not None and trainer.training:
+            # the state is already on the CPU (cpu_offload in the state-dict calls): the files are written in the
+            # background; the directory appears at PATH once complete (at the next save or at the end of fit)
+            future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._cpu_group())
+            self._pending_save = (future, tmp, path, checkpoint)
+            return
         dcp.save(tensors, checkpoint_id=str(tmp))
+        self._complete_save(tmp, path, checkpoint)
+
+    def _cpu_group(self) -> Optional[Any]:
+        """A group of its own for the background writer's collectives: they run on another thread while training
+        issues its own (NCCL is for the training stream; one gloo group must not serve two threads at once)."""
+        if self._gloo_group is None:
+            self._gloo_group = dist.new_group(backend="gloo")
+        return self._gloo_group
+
+    def _complete_save(self, tmp: Path, path: Path, checkpoint: dict[str, Any]) -> None:
+        """Metadata file, checksum manifest, then the rename that makes the checkpoint visible (collective)."""
+        import shutil
+
         if self.is_global_zero:
             torch.save(checkpoint, tmp / _META_FILE)
         self.barrier()
@@ -431,6 +465,17 @@ class MoEParallelStrategy(ParallelStrategy):
             if old.exists():
                 shutil.rmtree(old)
         self.barrier()
+
+    def finish_pending_save(self) -> None:
+        """Wait for an asynchronous save in flight and make it visible (collective: every rank calls it). Called
+        by the next save, by ``load_checkpoint`` and at teardown."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        future, tmp, path, checkpoint = pending
+        done = getattr(future, "upload_completion", future)  # torch >= 2.12 may return an AsyncSaveResponse
+        done.result()
+        self._complete_save(tmp, path, checkpoint)
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         if not dist.is_initialized() or self.world_size == 1:
@@ -452,6 +497,7 @@ class MoEParallelStrategy(ParallelStrategy):
             set_optimizer_state_dict,
         )
 
+        self.finish_pending_save()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
