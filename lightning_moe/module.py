@@ -246,7 +246,8 @@ class MoELanguageModel(L.LightningModule):
     def upcycle(cls, dense: Union["MoELanguageModel", str], moe: Any, granularity: int = 1,
                 **kwargs: Any) -> "MoELanguageModel":
         """An MoE module upcycled from a dense one (Megatron's ``--moe-use-upcycling``): ``dense`` is a dense
-        ``MoELanguageModel`` or a checkpoint of one (a ``.ckpt`` file or a distributed checkpoint directory);
+        ``MoELanguageModel``, a checkpoint of one (a ``.ckpt`` file or a distributed checkpoint directory) or a
+        Hugging Face dense folder (``qwen3``, ``llama``);
         ``moe`` a :class:`~lightning_moe.MoEConfig` (or dict). Experts start as copies of the dense MLP (granularity
         g > 1: g finer experts per copy), the router fresh, and the model's output at initialisation equals the
         dense model's (see :mod:`lightning_moe.models.upcycle` for the rule). ``kwargs`` go to the module."""
@@ -258,6 +259,11 @@ class MoELanguageModel(L.LightningModule):
                 dense.configure_model()
             assert dense.model is not None
             sd, dense_cfg = dense.model.state_dict(), dense.config
+        elif os.path.isfile(os.path.join(str(dense), "config.json")):  # a Hugging Face dense folder (qwen3, llama)
+            from lightning_moe.models.hf import from_hf
+
+            model = from_hf(dense)
+            sd, dense_cfg = model.state_dict(), model.config
         else:
             from lightning_moe.generation import load_for_generation
 

@@ -541,3 +541,32 @@ def _save_ep2_checkpoint(rank: int, world_size: int, path: str) -> None:
                         limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
     trainer.fit(model, datamodule=FixedData(GLOBAL_BATCH // 2, GLOBAL_BATCH))
     trainer.save_checkpoint(path)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_dense_import_and_upcycling_from_a_hugging_face_folder(model_type, tmp_path):
+    """Dense qwen3 / llama folders import with transformers' logits, and MoELanguageModel.upcycle(folder, ...) gives an
+    MoE model whose logits at init equal the dense model's."""
+    from lightning_moe import MoEConfig, MoELanguageModel
+    from lightning_moe.models.hf import from_hf
+
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, head_dim=16, initializer_range=0.1)
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    hf.save_pretrained(tmp_path / "dense")
+    ids = _ids()
+    ours = from_hf(tmp_path / "dense")
+    assert ours.config.moe.num_experts == 0 and ours.config.qk_norm == ("head" if model_type == "qwen3" else "none")
+    with torch.no_grad():
+        want = hf(ids).logits
+        _close(ours(ids), want)
+    up = MoELanguageModel.upcycle(str(tmp_path / "dense"), MoEConfig(num_experts=4, top_k=2, expert_hidden_size=48,
+                                                                       aux_loss_coeff=0.0), granularity=2)
+    up.configure_model()
+    assert len(up.model.moe_layers()) == 2
+    with torch.no_grad():
+        _close(up(ids), want)
+    with pytest.raises(ValueError, match="cannot be exported"):
+        up.save_pretrained(str(tmp_path / "out"), model_type=model_type)

@@ -64,7 +64,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "olmoe")
+# dense families: imported (e.g. for upcycling), not exported
+DENSE_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "olmoe") + DENSE_MODEL_TYPES
 ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -92,6 +94,18 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
         tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, clip_qkv=None,
         num_experts_per_tok=8, num_experts=64, router_aux_loss_coef=0.01, norm_topk_prob=False,
+    ),
+    "qwen3": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, attention_dropout=0.0,
+        num_experts_per_tok=1, moe_intermediate_size=0,
+    ),
+    "llama": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        num_experts_per_tok=1, moe_intermediate_size=0,
     ),
     "deepseek_v3": dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -253,7 +267,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
     layer_types = hf.d.get("layer_types")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         raise _bad("layer_types", layer_types, "only full (causal) attention layers are supported")
-    if mt == "qwen3_moe":
+    if mt in ("qwen3_moe", "qwen3"):
         if g("use_sliding_window"):
             raise _bad("use_sliding_window", g("use_sliding_window"), "sliding-window attention is not supported")
     elif hf.d.get("sliding_window") is not None:
@@ -324,7 +338,11 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
     if mt == "olmoe" and head_dim != D // H:
         raise _bad("head_dim", head_dim, f"OLMoE's q/k norms are sized by hidden_size; head_dim must be "
                    f"hidden_size / num_attention_heads = {D // H}")
-    if mt == "qwen3_moe":
+    if mt in DENSE_MODEL_TYPES:
+        E, F, dense, norm, pre = 0, 0, list(range(L)), False, True
+        qk = "head" if mt == "qwen3" else "none"
+        dense_F = int(g("intermediate_size"))
+    elif mt == "qwen3_moe":
         E = int(_first_present(hf, "num_experts", "num_local_experts") or 0)
         F = int(g("moe_intermediate_size"))
         step = int(g("decoder_sparse_step") or 1)
@@ -387,8 +405,9 @@ def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def config_to_hf(cfg: ModelConfig, model_type: str, *, dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
     """A transformers 5 ``config.json`` dict for ``cfg`` as a ``model_type`` model; a ValueError naming the field
     when that family cannot express ``cfg``."""
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    exportable = [t for t in SUPPORTED_MODEL_TYPES if t not in DENSE_MODEL_TYPES]
+    if model_type not in exportable:
+        raise ValueError(f"model_type={model_type!r} cannot be exported; supported: {', '.join(exportable)}")
     m = cfg.moe
 
     def need(cond: bool, what: str) -> None:
