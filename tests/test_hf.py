@@ -172,7 +172,7 @@ def load_hf_config_dict(name: str) -> dict:
 
 
 @pytest.mark.parametrize("hf, field", [
-    (dict(model_type="llama"), "model_type"),
+    (dict(model_type="gpt2"), "model_type"),
     (dict(model_type="qwen3_moe", use_sliding_window=True, sliding_window=128), "use_sliding_window"),
     (dict(model_type="mixtral", sliding_window=4096), "sliding_window"),
     (dict(model_type="qwen3_moe", attention_bias=True), "attention_bias"),
