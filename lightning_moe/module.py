@@ -128,6 +128,13 @@ class MoELanguageModel(L.LightningModule):
             if config is None:
                 config = config_from_hf(hf)
         self.config = _resolve_config("tiny" if config is None else config)
+        if pretrained is not None:
+            from lightning_moe.models.hf import _config_differences, config_from_hf
+
+            diff = _config_differences(self.config, config_from_hf(hf))
+            if diff:
+                raise ValueError(f"config does not describe the model in {pretrained}/config.json ({'; '.join(diff)}): "
+                                 "leave config out to take the folder's, or fix those fields")
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
         if not 0 <= min_lr_ratio <= 1:

@@ -570,3 +570,28 @@ def test_dense_import_and_upcycling_from_a_hugging_face_folder(model_type, tmp_p
         _close(up(ids), want)
     with pytest.raises(ValueError, match="cannot be exported"):
         up.save_pretrained(str(tmp_path / "out"), model_type=model_type)
+
+
+def test_cli_fine_tunes_from_a_hugging_face_folder(tmp_path, capsys):
+    """`model: {pretrained: PATH}` in a fit YAML: the config comes from the folder and its weights are loaded."""
+    import yaml
+    from _cli import run_cli
+
+    torch.manual_seed(0)
+    hf_cfg = AutoConfig.for_model("qwen3_moe", vocab_size=260, hidden_size=64, intermediate_size=96,
+                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                  max_position_embeddings=64, norm_topk_prob=True)  # the byte tokenizer's vocabulary
+    path = str(tmp_path / "src")
+    AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(path)
+    cfg = {"trainer": {"accelerator": "cpu", "max_steps": 1, "limit_val_batches": 0, "enable_progress_bar": False,
+                       "logger": False, "enable_checkpointing": False, "default_root_dir": str(tmp_path)},
+           "model": {"pretrained": path, "lr": 1e-3, "warmup_steps": 0},
+           "data": {"seq_len": 16, "batch_size": 2, "max_tokens": 5000}}
+    (tmp_path / "ft.yaml").write_text(yaml.safe_dump(cfg))
+    assert run_cli(["fit", "--config", str(tmp_path / "ft.yaml")]) == 0
+    # a YAML whose model.config contradicts the folder is one clear line, exit 2
+    cfg["model"]["config"] = {"preset": "tiny"}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    assert run_cli(["fit", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert "config.json" in capsys.readouterr().err

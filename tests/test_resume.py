@@ -382,9 +382,13 @@ def _two_ranks_tp(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     return _fit(MoEParallelStrategy(tp=2, dp_shard=1), STEPS, ckpt_in=ckpt, seed=1)
 
 
+def _two_ranks_ep(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+    return _fit(MoEParallelStrategy(ep=2), STEPS, ckpt_in=ckpt, seed=1)
+
+
 @pytest.mark.timeout(600)
 def test_resharding_matrix_at_four_ranks(one_process, tmp_path_factory):
-    """Saved at W=4 (tp=2 x dp_shard=2, ep=4): resumed at the same layout, at W=2 tp=2 and on one device; saved on
+    """Saved at W=4 (tp=2 x dp_shard=2, ep=4): resumed at the same layout, at W=2 ep=2, at W=2 tp=2 and on one device; saved on
     one device and resumed at W=4. Every resume continues like the uninterrupted run (the same global batch)."""
     tmp = str(tmp_path_factory.mktemp("w4"))
     out = run_distributed(_four_ranks, 4, tmp, one_process["ckpt"], timeout=500)
@@ -394,5 +398,6 @@ def test_resharding_matrix_at_four_ranks(one_process, tmp_path_factory):
     failures += [f"[W4 -> W4] {p}" for p in _differences(out["resumed"], ref)]
     failures += [f"[1 -> W4] {p}" for p in _differences(out["from_one_process"], one_process["ref"])]
     failures += [f"[W4 -> W2 tp=2] {p}" for p in _differences(run_distributed(_two_ranks_tp, 2, f"{tmp}/w4_step3"), ref)]
+    failures += [f"[W4 -> W2 ep=2] {p}" for p in _differences(run_distributed(_two_ranks_ep, 2, f"{tmp}/w4_step3"), ref)]
     failures += [f"[W4 -> 1] {p}" for p in _differences(run_distributed(_one_rank, 1, f"{tmp}/w4_step3"), ref)]
     assert not failures, "\n".join(failures[:20])
