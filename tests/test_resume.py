@@ -401,3 +401,18 @@ def test_resharding_matrix_at_four_ranks(one_process, tmp_path_factory):
     failures += [f"[W4 -> W2 ep=2] {p}" for p in _differences(run_distributed(_two_ranks_ep, 2, f"{tmp}/w4_step3"), ref)]
     failures += [f"[W4 -> 1] {p}" for p in _differences(run_distributed(_one_rank, 1, f"{tmp}/w4_step3"), ref)]
     assert not failures, "\n".join(failures[:20])
+
+
+def _two_ranks_cp_etp(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
+    return {"cp=2": _fit(MoEParallelStrategy(cp=2, dp_shard=1), STEPS, ckpt_in=ckpt, seed=1),
+            "etp=2 (experts split over F)": _fit(MoEParallelStrategy(etp=2), STEPS, ckpt_in=ckpt, seed=1),
+            "HSDP dp_replicate=2": _fit(MoEParallelStrategy(dp_replicate=2, dp_shard=1), STEPS, ckpt_in=ckpt, seed=1)}
+
+
+@pytest.mark.timeout(600)
+def test_one_process_checkpoint_resumed_under_cp_etp_and_hsdp(one_process):
+    """The one-process checkpoint resumed under context parallelism, expert tensor parallelism and HSDP replicas
+    continues like the uninterrupted run."""
+    out = run_distributed(_two_ranks_cp_etp, 2, one_process["ckpt"])
+    failures = [f"[{name}] {p}" for name, res in out.items() for p in _differences(res, one_process["ref"])]
+    assert not failures, "\n".join(failures[:20])
