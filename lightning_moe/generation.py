@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_moe.config import ModelConfig, resolve_model_config
-from lightning_moe.models.transformer import KVCache, MoETransformer, RotaryEmbedding
+from lightning_moe.models.transformer import KVCache, MoETransformer
 
 __all__ = ["generate", "generate_text", "generate_any", "load_for_generation", "generate_main", "sample_next_token"]
 
@@ -312,15 +312,7 @@ def _build_empty(config: ModelConfig, device: Union[str, torch.device]) -> MoETr
     with torch.device("meta"):
         model = MoETransformer(config)
     model.to_empty(device=device)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.reset_parameters()
-                continue
-            for name in module._non_persistent_buffers_set:
-                buf = module._buffers.get(name)
-                if buf is not None:
-                    buf.zero_()
+    model.reset_buffers()
     return model
 
 

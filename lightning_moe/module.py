@@ -207,7 +207,7 @@ class MoELanguageModel(L.LightningModule):
 
             set_model_state_dict(model, dict(self._initial_state), options=StateDictOptions(full_state_dict=True))
             self._initial_state = None
-            model.layers.apply(lambda m: m.reset_parameters() if type(m).__name__ == "RotaryEmbedding" else None)
+            model.reset_buffers()
             return
         if self.pretrained is not None:
             from lightning_moe.models.hf import load_hf_weights_

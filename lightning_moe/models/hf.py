@@ -722,6 +722,11 @@ class _Family:
         return cls(hf.model_type, inter)
 
 
+def _mlp_weight(prefix: str, w: str, D: int, hidden: int) -> "_Direct":
+    """One weight of a SwiGLU MLP (w1 gate / w3 up [hidden, D], w2 down [D, hidden]) under ``prefix``."""
+    return _Direct(prefix + f"{_MLP_NAMES[w]}.weight", (D, hidden) if w == "w2" else (hidden, D))
+
+
 def _plan(cfg: ModelConfig, fam: _Family, our_keys: Iterable[str], available: Optional[set[str]] = None
           ) -> dict[str, _Recipe]:
     """For each of ``our_keys``, the recipe reading it from Hugging Face tensors. ``available``: the source's keys
@@ -780,9 +785,7 @@ def _plan(cfg: ModelConfig, fam: _Family, our_keys: Iterable[str], available: Op
             continue
         f = re.fullmatch(r"feed_forward\.(w[123])\.weight", rest)
         if f:
-            Fd = cfg.dense_hidden_size
-            w = f.group(1)
-            plan[key] = _Direct(L + f"mlp.{_MLP_NAMES[w]}.weight", (D, Fd) if w == "w2" else (Fd, D))
+            plan[key] = _mlp_weight(L + "mlp.", f.group(1), D, cfg.dense_hidden_size)
             continue
         P = moe_prefix(i)
         if rest == "moe.router.weight":
@@ -805,9 +808,7 @@ def _plan(cfg: ModelConfig, fam: _Family, our_keys: Iterable[str], available: Op
             continue
         s = re.fullmatch(r"moe\.shared_experts\.(w[123])\.weight", rest)
         if s:
-            S = m.shared_expert_hidden_size
-            w = s.group(1)
-            plan[key] = _Direct(L + f"mlp.shared_experts.{_MLP_NAMES[w]}.weight", (D, S) if w == "w2" else (S, D))
+            plan[key] = _mlp_weight(L + "mlp.shared_experts.", s.group(1), D, m.shared_expert_hidden_size)
             continue
         raise ValueError(f"no Hugging Face {mt} equivalent for our tensor {key!r}")
     return plan
@@ -922,18 +923,6 @@ def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def _rebuild_derived_buffers(model: nn.Module) -> None:
-    """Non-persistent state a load does not carry: RoPE tables (garbage after ``to_empty``), bias-update counts."""
-    from lightning_moe.models.transformer import RotaryEmbedding
-
-    for mod in model.modules():
-        if isinstance(mod, RotaryEmbedding):
-            mod.reset_parameters()
-        counts = getattr(mod, "bias_counts", None)
-        if isinstance(counts, Tensor) and not counts.is_meta:
-            counts.zero_()
-
-
 def _load_from_source(model: nn.Module, src: _Source, hf_config: Mapping[str, Any], *, strict: bool,
                       check_config: bool) -> HFLoadResult:
     cfg: ModelConfig = model.config  # type: ignore[assignment]
@@ -1007,7 +996,7 @@ def _load_from_source(model: nn.Module, src: _Source, hf_config: Mapping[str, An
             if tuple(val.shape) != tuple(local.shape):
                 raise ValueError(f"{ours}: read {tuple(val.shape)} for a local shard of {tuple(local.shape)}")
             local.copy_(val.to(dtype=local.dtype, device=local.device))
-    _rebuild_derived_buffers(model)
+    model.reset_buffers()  # RoPE tables (garbage after to_empty), bias-update counts
     result.bytes_read = src.bytes_read
     result.bytes_by_key = dict(src.bytes_by_key)
     return result

@@ -415,6 +415,17 @@ class MoETransformer(nn.Module):
                     module.out_init_std = out_std
                 module.reset_parameters()
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Rebuild the state no checkpoint carries (non-persistent buffers): RoPE tables and the expert-bias demand
+        counts. After ``to_empty`` plus loading weights from elsewhere (a checkpoint, Hugging Face, upcycling)."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_parameters()
+            counts = getattr(module, "bias_counts", None)
+            if isinstance(counts, Tensor) and not counts.is_meta:
+                counts.zero_()
+
     def moe_layers(self) -> list[MoELayer]:
         return [blk.moe for blk in self.layers.values() if blk.is_moe]
 
