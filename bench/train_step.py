@@ -170,7 +170,10 @@ def _err(e: BaseException) -> str:
 
 # ----------------------------------------------------------------------------------------- lightning_moe runs
 def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
-             device: torch.device, peak: Optional[dict], timed: bool) -> dict[str, Any]:
+             device: torch.device, peak: Optional[dict], timed: bool, strategy: Any = None,
+             extra_callbacks: tuple = ()) -> dict[str, Any]:
+    """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
+    strategy) and ``extra_callbacks`` let other benchmarks (memory options, the routing monitor) reuse the run."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
@@ -211,6 +214,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
         trainer = L.Trainer(
             accelerator="gpu" if device.type == "cuda" else "cpu",
             devices=1,
+            strategy=strategy if strategy is not None else "auto",
             precision=args.precision,
             max_steps=args.steps,
             logger=False,
@@ -219,7 +223,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
             enable_model_summary=False,
             limit_val_batches=0,
             num_sanity_val_steps=0,
-            callbacks=[rec],
+            callbacks=[rec, *extra_callbacks],
         )
         trainer.fit(model, datamodule=dm)
         experts = [blk.moe.experts for blk in model.model.layers.values() if blk.is_moe]
