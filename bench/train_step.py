@@ -171,9 +171,11 @@ def _err(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------- lightning_moe runs
 def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
              device: torch.device, peak: Optional[dict], timed: bool, strategy: Any = None,
-             extra_callbacks: tuple = ()) -> dict[str, Any]:
+             extra_callbacks: tuple = (), variant: str = "") -> dict[str, Any]:
     """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
-    strategy) and ``extra_callbacks`` let other benchmarks (memory options, the routing monitor) reuse the run."""
+    strategy) and ``extra_callbacks`` let other benchmarks (memory options, the routing monitor) reuse the run.
+    ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally ``+compile`` (regional torch.compile
+    through a one-device MoEParallelStrategy)."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
@@ -210,7 +212,14 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     model = trainer = dm = None
     try:
         dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
-        model = MoELanguageModel(cfg, lr=lr, warmup_steps=2, max_steps=args.steps)
+        loss_impl, _, extra = (variant or getattr(args, "loss_impl", "auto")).partition("+")
+        if extra == "compile":
+            from lightning_moe.strategies import MoEParallelStrategy
+
+            strategy = MoEParallelStrategy(compile=True)
+        elif extra:
+            raise ValueError(f"unknown variant suffix {extra!r} (only '+compile')")
+        model = MoELanguageModel(cfg, lr=lr, warmup_steps=2, max_steps=args.steps, loss_impl=loss_impl)
         trainer = L.Trainer(
             accelerator="gpu" if device.type == "cuda" else "cpu",
             devices=1,
@@ -230,6 +239,8 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
         gm = sorted({bool(getattr(e, "use_grouped_mm", False)) for e in experts})
         unaligned = any(getattr(e, "_warned_unaligned", False) for e in experts)
         res["impl"] = "lightning_moe " + ("grouped_mm" if gm == [True] else "loop" if gm == [False] else "mixed")
+        if variant:
+            res["impl"] += f" [{variant}]"
         if unaligned:
             res["impl"] += " (unaligned->loop)"
         res["param_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
@@ -472,6 +483,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--hf-impls", default="default,grouped_mm",
                    help="comma list of experts implementations for the HF runs ('default' = what transformers "
                         "picks); duplicates of the default are skipped")
+    p.add_argument("--ours-variants", default="",
+                   help="comma-separated runs of ours, each a loss_impl (auto, torch, chunked, liger) optionally "
+                        "with +compile, e.g. 'torch,auto,auto+compile'; default: one run with --loss-impl")
+    p.add_argument("--loss-impl", default="auto", help="MoELanguageModel(loss_impl=...) of the default run")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--skip-ours", action="store_true", help="skip the lightning_moe Qwen-shaped run")
@@ -570,10 +585,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"\n{label}: {fpt['params_total'] / 1e9:.3f}B params, {fpt['params_active'] / 1e9:.3f}B active "
             f"({fpt['params_active_matmul'] / 1e9:.3f}B in matmuls), {fpt['flops_per_token'] / 1e9:.2f} GFLOP/token")
         if not args.skip_ours:
-            r = run_ours(label, cfg, args.seq_len, args.batch_size, args, args.lr, device, peak, timed=True)
-            r["timed"] = True
-            runs.append(r)
-            save()
+            for variant in [v.strip() for v in args.ours_variants.split(",") if v.strip()] or [""]:
+                r = run_ours(label, cfg, args.seq_len, args.batch_size, args, args.lr, device, peak, timed=True,
+                             variant=variant)
+                r["timed"] = True
+                runs.append(r)
+                save()
         if not args.skip_hf:
             dtype = torch.bfloat16 if "bf16" in args.precision else torch.float32
             impls = [s.strip() for s in args.hf_impls.split(",") if s.strip()]

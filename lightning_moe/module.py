@@ -26,7 +26,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -36,12 +35,12 @@ from torch.distributed.tensor import DTensor
 from lightning_moe.build import ModelTransform, build_model
 from lightning_moe.checkpointing import accept_state_by_name, optimizer_state_by_name
 from lightning_moe.config import ModelConfig, resolve_model_config
+from lightning_moe.models.lm_loss import IGNORE_INDEX, LOSS_IMPLS
 from lightning_moe.models.transformer import MoETransformer
 from lightning_moe.optim import AdamW
 from lightning_moe.parallel.finalize import StepResult, StepTotals, finalize_module_step, finalizing_closure
 from lightning_moe.strategies import MoEParallelStrategy
 
-IGNORE_INDEX = -100
 
 
 def _load_unsharded_init(model: MoETransformer, config: ModelConfig, seed: int) -> None:
@@ -100,6 +99,9 @@ class MoELanguageModel(L.LightningModule):
             ``MoELanguageModel.from_pretrained(path, **kwargs)`` is the same.
         predict_max_new_tokens: tokens ``predict_step`` (``trainer.predict``, ``lightning-moe predict``) generates
             after each prompt (greedy).
+        loss_impl: how the output projection and cross-entropy run (:mod:`lightning_moe.models.lm_loss`):
+            ``"auto"`` (chunked on CUDA: no [tokens, vocab] logits held, the gradients taken in the forward),
+            ``"torch"`` (the reference), ``"chunked"``, ``"liger"`` (liger-kernel, the ``lm`` extra).
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class MoELanguageModel(L.LightningModule):
         model_transforms: Optional[Sequence[Callable[[nn.Module], Optional[nn.Module]]]] = None,
         pretrained: Optional[str] = None,
         predict_max_new_tokens: int = 64,
+        loss_impl: str = "auto",
     ) -> None:
         super().__init__()
         self.hf_model_type: Optional[str] = None
@@ -146,8 +149,11 @@ class MoELanguageModel(L.LightningModule):
             {"config": self.config.to_dict(), "lr": lr, "min_lr_ratio": min_lr_ratio, "warmup_steps": warmup_steps,
              "max_steps": max_steps, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused,
              "skip_empty_steps": skip_empty_steps, "pretrained": pretrained,
-             "predict_max_new_tokens": predict_max_new_tokens}
+             "predict_max_new_tokens": predict_max_new_tokens, "loss_impl": loss_impl}
         )
+        if loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {loss_impl!r}")
+        self.loss_impl = loss_impl
         self.pretrained = pretrained
         self.skip_empty_steps = skip_empty_steps
         self.model_transforms = list(model_transforms or [])
@@ -327,10 +333,7 @@ class MoELanguageModel(L.LightningModule):
             input_ids, labels, attention_mask = local["input_ids"], local["labels"], local.get("attention_mask")
             positions = local.get("position_ids")
         assert self.model is not None, "call configure_model() first (the Trainer does)"
-        logits_BSV = self.model(input_ids, attention_mask, positions)
-        loss_sum = F.cross_entropy(
-            logits_BSV.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        loss_sum = self.model(input_ids, attention_mask, positions, labels_BS=labels, loss_impl=self.loss_impl)
         return loss_sum, (labels != IGNORE_INDEX).sum()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -340,7 +343,13 @@ class MoELanguageModel(L.LightningModule):
         num_tokens = sums[1]  # this micro-batch's valid tokens over every data rank
         self.step_totals.add(sums[0], num_tokens)
         aux, z = self.model.moe_losses()
-        return loss_sum + num_tokens * (aux + z)
+        objective = loss_sum + num_tokens * (aux + z)
+        if self._trainer is not None and self.trainer.accumulate_grad_batches == 1:
+            # the step's token count is known before its only backward: normalise here, so no pass over every
+            # gradient is needed afterwards (the finalisation skips its 1/N scaling of prescaled steps)
+            self.step_totals.prescaled = True
+            return objective / num_tokens.clamp(min=1)
+        return objective
 
     # ---- gradient finalisation ------------------------------------------------------------------------------
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Optional[Callable] = None) -> None:

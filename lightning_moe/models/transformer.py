@@ -20,9 +20,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ModelConfig, YaRNScaling
 from lightning_moe.models import registry
+from lightning_moe.models.lm_loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_moe.moe.layer import MoELayer
 
 
@@ -440,10 +442,24 @@ class MoETransformer(nn.Module):
         return (zero if aux is None else aux), (zero if z is None else z)
 
     def forward(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
-                positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+                positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None,
+                labels_BS: Optional[Tensor] = None, loss_impl: str = "auto") -> Tensor:
         """``positions_S``: [S] (default arange) or, on one process, [B, S] per-sequence positions. ``cache``:
-        incremental decoding (see :class:`KVCache`; positions then follow the cache and must be None)."""
-        return self.logits(self.hidden_states(input_ids_BS, attention_mask_BS, positions_S, cache=cache))
+        incremental decoding (see :class:`KVCache`; positions then follow the cache and must be None).
+
+        Returns logits [B, S, V]; with ``labels_BS`` (-100 = ignored) instead the sum of the token cross-entropies,
+        an fp32 scalar, computed without holding the [B*S, V] logits where ``loss_impl`` allows (see
+        :mod:`lightning_moe.models.lm_loss`). The loss is taken inside ``forward`` so that FSDP's root hooks hold
+        the output weight gathered while it is used."""
+        h_BSD = self.hidden_states(input_ids_BS, attention_mask_BS, positions_S, cache=cache)
+        if labels_BS is None:
+            return self.logits(h_BSD)
+        w_VD = self.tok_embeddings.weight if self.output is None else self.output.weight
+        if isinstance(w_VD, DTensor) or isinstance(h_BSD, DTensor):
+            # a tensor-parallel output projection: its own forward (the plan's gathers), then the reference loss
+            logits_NV = self.logits(h_BSD).flatten(0, 1)
+            return F.cross_entropy(logits_NV.float(), labels_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        return linear_cross_entropy(h_BSD.flatten(0, 1), w_VD.to(h_BSD.dtype), labels_BS.flatten(), loss_impl)
 
     def hidden_states(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
                       positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:

@@ -10,7 +10,8 @@ module's) runs, :func:`finalize_step`:
 3. applies the aux-loss-free expert-bias update from those counts (bitwise identical on every rank);
 4. checks the step (no valid token anywhere, or a non-finite loss: one host sync) and multiplies every gradient by
    ``accumulate_grad_batches / N``, N the valid tokens of the whole step (Lightning already divided the loss by
-   ``accumulate_grad_batches``).
+   ``accumulate_grad_batches``). A step of one micro-batch knows N before its backward: the module divides its loss
+   by N there (``StepTotals.prescaled``) and this pass over every gradient is skipped.
 
 Both :class:`~lightning_moe.strategies.MoEParallelStrategy` (through ``optimizer_step``) and
 :class:`~lightning_moe.MoELanguageModel` under Lightning's single-device strategy (through its ``optimizer_step``
@@ -47,6 +48,7 @@ class StepTotals:
     loss_sum: Optional[Tensor] = None  # sum of token losses (fp32, detached)
     num_tokens: Optional[Tensor] = None  # valid tokens
     num_micro_batches: int = 0
+    prescaled: bool = False  # the loss was already divided by the step's token count (one micro-batch)
 
     def add(self, loss_sum: Tensor, num_tokens: Tensor) -> None:
         loss_sum, num_tokens = loss_sum.detach().float(), num_tokens.detach().float()
@@ -59,6 +61,7 @@ class StepTotals:
     def reset(self) -> None:
         self.loss_sum = self.num_tokens = None
         self.num_micro_batches = 0
+        self.prescaled = False
 
 
 @dataclass
@@ -166,7 +169,7 @@ def finalize_step(
 
     if totals.loss_sum is None or totals.num_tokens is None:
         raise RuntimeError("finalize_step without a training_step: the step's token count is unknown")
-    loss_sum, num_tokens = totals.loss_sum, totals.num_tokens
+    loss_sum, num_tokens, prescaled = totals.loss_sum, totals.num_tokens, totals.prescaled
     # the one host sync of the step: an empty or diverged step must stop here, before the optimizer moves
     loss_host, tokens_host = torch.stack([loss_sum, num_tokens]).tolist()
     result = StepResult(loss_sum / num_tokens.clamp(min=1), num_tokens, totals.num_micro_batches, routing,
@@ -187,7 +190,8 @@ def finalize_step(
             f"train_loss is {loss_host / tokens_host} at step {step}: the run diverged. Lower the learning rate, "
             "enable gradient clipping (gradient_clip_val) or check the data; the last checkpoint is intact."
         )
-    scale_grads_(params, accumulate_grad_batches / num_tokens)  # per local shard: parameters on several meshes
+    if not prescaled:
+        scale_grads_(params, accumulate_grad_batches / num_tokens)  # per local shard: parameters on several meshes
     return result
 
 

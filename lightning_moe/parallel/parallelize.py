@@ -14,7 +14,7 @@ strategy can do that once per optimizer step.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_moe.models.transformer import Attention, MoETransformer
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.layout import AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE
 
@@ -221,6 +222,7 @@ def parallelize(
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,
+    compile: Union[bool, str, Sequence[str], None] = False,
 ) -> list[nn.Module]:
     """Apply the layout in ``dims`` to ``model`` in place. Returns the modules whose parameters' gradients must be
     summed over the tp group before the optimizer step. Idempotent: a second call returns the same list."""
@@ -236,6 +238,7 @@ def parallelize(
     apply_ep(model, dims, dispatcher)
     apply_router_groups(model, dims)
     apply_ac(model, activation_checkpointing)
+    apply_compile(model, compile)
     # data-parallel replicas of a parameter need FSDP (sharding and/or HSDP replication) to sum its gradient
     dense = dims.fsdp_mesh() if dims.dp_replicate * dims.dp_shard * dims.cp > 1 else None
     expert = dims.expert_fsdp_mesh() if dims.dp_replicate * dims.edp_shard > 1 else None

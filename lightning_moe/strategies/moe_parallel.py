@@ -42,6 +42,7 @@ from lightning_moe.checkpoint_io import SafeCheckpointIO, verify_dir_checksums, 
 from lightning_moe.checkpointing import check_shapes, is_by_name, regroup
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.finalize import StepResult, finalize_module_step, finalizing_closure
+from lightning_moe.parallel.compile import resolve_compile
 from lightning_moe.parallel.parallelize import AC_MODES, DISPATCHERS, parallelize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +76,9 @@ class MoEParallelStrategy(ParallelStrategy):
         reshard_after_forward: FSDP2 option.
         param_dtype, reduce_dtype: FSDP2 mixed precision (``"bf16"``, ``"fp32"``; None = the parameter dtype).
         activation_checkpointing: ``"none"`` or ``"full"`` (whole blocks).
+        compile: regional ``torch.compile`` (:mod:`lightning_moe.parallel.compile`): True for every region, or a
+            list of ``"norm"``, ``"attention"``, ``"router"``, ``"mlp"``; the routed experts and the dispatch stay
+            eager. Off by default (compilation takes a minute at the start of a run).
         save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint file written by rank 0.
         async_save: distributed checkpoints saved during training are written in the background (DCP
             ``async_save``); training stalls only for the state-dict copy to the CPU. The checkpoint appears at its
@@ -98,6 +102,7 @@ class MoEParallelStrategy(ParallelStrategy):
         param_dtype: Optional[str] = None,
         reduce_dtype: Optional[str] = None,
         activation_checkpointing: str = "none",
+        compile: Union[bool, str, list[str]] = False,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
         process_group_backend: Optional[str] = None,
@@ -121,6 +126,7 @@ class MoEParallelStrategy(ParallelStrategy):
         self._param_dtype = _dtype(param_dtype, "param_dtype")
         self._reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
         self._activation_checkpointing = activation_checkpointing
+        self._compile = resolve_compile(compile)
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._async_save = async_save
         self._pending_save: Optional[tuple[Any, Path, Path, dict[str, Any]]] = None
@@ -329,6 +335,7 @@ class MoEParallelStrategy(ParallelStrategy):
             param_dtype=self._param_dtype,
             reduce_dtype=self._reduce_dtype,
             reshard_after_forward=self._reshard_after_forward,
+            compile=self._compile,
         )
         return model
 
