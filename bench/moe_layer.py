@@ -55,6 +55,7 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -63,7 +64,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 _HERE = Path(__file__).resolve().parent
 for _p in (str(_HERE.parent), str(_HERE)):
@@ -138,6 +139,18 @@ def guarded(res: dict[str, Any], fn: Callable[[], None]) -> None:
         log(res["traceback"])
 
 
+@contextlib.contextmanager
+def building(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside are created on ``device`` with ``dtype`` as the default floating dtype."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
 def clear_grads(*tensors: torch.Tensor) -> None:
     for t in tensors:
         t.grad = None
@@ -169,13 +182,8 @@ def build_ours(cfg: Any, device: torch.device, dtype: torch.dtype, seed: int,
     from lightning_moe.moe.layer import MoELayer
 
     torch.manual_seed(seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            layer = MoELayer(cfg.moe, cfg.hidden_size, init_std=cfg.init_std)
-    finally:
-        torch.set_default_dtype(prev)
+    with building(device, dtype):
+        layer = MoELayer(cfg.moe, cfg.hidden_size, init_std=cfg.init_std)
     layer.to(device=device, dtype=dtype)
     if router_state is not None:
         layer.router.load_state_dict(router_state, strict=False)
@@ -222,7 +230,7 @@ def numerics_check(layer: Any, cfg: Any, x: torch.Tensor, dy: torch.Tensor, n: i
     with torch.device("meta"):
         ref = MoELayer(cfg.moe, cfg.hidden_size, init_std=cfg.init_std)
     ref = ref.to_empty(device=x.device).float()
-    ref.load_state_dict(layer.state_dict(), strict=False)  # the non-persistent bias counts are not in it
+    ref.load_state_dict(layer.state_dict())  # the non-persistent bias counts are in neither: zeroed below
     if ref.router.bias_counts is not None:
         ref.router.bias_counts.zero_()
     ref.train()
@@ -383,13 +391,8 @@ def hf_block(model_cfg: Any, model_type: str, impl: str, src: Any, device: torch
         hcfg._experts_implementation = impl
     mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     cls = getattr(mod, HF_BLOCKS[model_type])
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            block = cls(hcfg)
-    finally:
-        torch.set_default_dtype(prev)
+    with building(device, dtype):
+        block = cls(hcfg)
     # the dtypes the transformers model keeps in fp32 (DeepSeek-V3: gate.weight, e_score_correction_bias)
     keep: set[str] = set()
     for obj in vars(mod).values():
@@ -453,13 +456,8 @@ def titan_block(model_cfg: Any, src: Any, device: torch.device, dtype: torch.dty
         load_balance_coeff=1e-3 if m.expert_bias else None,
         shared_experts=shared,
     )
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            block = cfg.build()
-    finally:
-        torch.set_default_dtype(prev)
+    with building(device, dtype):
+        block = cfg.build()
     e = src.experts
     vals = {"routed_experts.inner_experts.w1_EFD": e.w1.detach(), "routed_experts.inner_experts.w2_EDF": e.w2.detach(),
             "routed_experts.inner_experts.w3_EFD": e.w3.detach(), "router.gate.weight": src.router.weight.detach(),
@@ -551,6 +549,7 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, dtype: 
         res.update(time_steps(fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters))
         counts = layer.last_stats["tokens_per_expert"].detach().clone()
         res["routing"] = routing_summary(counts)
+        res["tokens_per_expert"] = counts.tolist()
         res["fell_back_to_loop"] = bool(getattr(layer.experts, "_warned_fallback", False))
 
     guarded(res, learned)
@@ -781,12 +780,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cpu":
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    else:
         log("--device cuda but CUDA is not available; use --device cpu")
         return 2
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     t_all = time.perf_counter()
     env = environment(device)
