@@ -1,0 +1,827 @@
+#!/usr/bin/env python
+"""MoE layer forward + backward on one device: lightning_moe vs the bare grouped GEMM, transformers and torchtitan.
+
+DESIGN "Benchmarks" / issue 10. Every implementation is measured in the same process, on the same input ``x``
+[1, T, D] and the same output gradient ``dy`` (fixed random, bf16 on CUDA), with the same expert weights where it
+can be arranged (our layer's weights are copied into the peers), one model alive at a time. A step is
+``y = layer(x); y.backward(dy)`` with every gradient set to None first; ``--warmup`` untimed steps, then
+``--iters`` timed ones (CUDA events around each step; perf_counter on CPU); the median is reported.
+
+Per shape (``--shapes``, all three by default):
+
+``ours_learned``   ``lightning_moe.moe.layer.MoELayer`` of the preset's MoE config, bf16 (the router weight and
+                   expert bias stay fp32, as in the model after ``.to(bfloat16)``), routing as initialised
+                   (``--router-steps`` SGD steps on the router first, default 0).
+``ours_forced``    the same layer with ``MoEConfig.force_balance`` (round-robin assignment).
+``bare``           only the GEMMs of the routed expert work, through autograd on ``torch._grouped_mm``: gate, up and
+                   down projections on rows already grouped by expert (3 grouped GEMMs forward; 6 backward:
+                   dx for gate and up, dh for down, and the three weight gradients), with the per-expert counts our
+                   layer produced on this input (``last_stats["tokens_per_expert"]``), our layer's weights, no
+                   SwiGLU, no routing, no permutation. ``bare_balanced``: the same with equal counts.
+                   With shared experts (DeepSeek-V3): ``bare_shared`` (the shared expert's 3 + 6 dense GEMMs) and
+                   ``bare_routed+shared`` (both in one step), the denominator of the DeepSeek-V3 target.
+``experts_only``   our ``GroupedExperts`` (grouped GEMMs + SwiGLU, autograd) on the same grouped rows: splits the
+                   gap to bare into "inside the experts" and "routing + permutation + combine".
+``hf_<impl>``      the transformers block of the same shape (Qwen3MoeSparseMoeBlock / DeepseekV3MoE /
+                   MixtralSparseMoeBlock), built from ``lightning_moe.models.hf.config_to_hf`` of the same config,
+                   our weights copied in, dtypes as the transformers model keeps them (DeepSeek-V3's gate and
+                   correction bias fp32), once per experts implementation (``--hf-impls``; "eager" is the per-expert
+                   loop, "grouped_mm" what transformers 5 models pick by default).
+``torchtitan``     ``torchtitan.models.common.moe.MoE`` of the same shape (our weights copied in, bf16; its router
+                   gate is bf16 too, since the module is not under FSDP mixed precision); ``torchtitan_forced`` with
+                   its ``_debug_force_load_balance``. "unavailable: <reason>" when it does not import.
+
+Numerics (``ours`` section of the JSON): on the first ``--check-tokens`` tokens, our layer as benchmarked (bf16,
+grouped GEMM) and the same weights in fp32 through the grouped GEMM, each against the fp32 per-expert loop
+(``GroupedExperts.forward_loop``), output and input gradient: max |diff| / max |reference|. Each peer's output on
+the full input is compared with ours (same weights; a routing tie or a bf16 router moves a few tokens).
+
+Targets (issue 10) printed next to the ratios: qwen3 <= 1.25x bare, deepseek_v3 <= 1.15x bare routed+shared,
+mixtral <= 1.05x bare; learned / forced <= 1.1.
+
+Run (repository root; torchtitan optional):
+    python bench/moe_layer.py --out bench/results/moe_layer_h200.json          # H200: well under 4 minutes
+    python bench/moe_layer.py --shapes qwen3 --profile --out /tmp/moe.json     # + top-20 kernels and a trace
+    python bench/moe_layer.py --device cpu --small                              # smoke test of every section
+"""
+
+from __future__ import annotations
+
+import os
+
+# Required policy on the device machines (harmless on one GPU): no NVLink SHARP / multicast.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+_HERE = Path(__file__).resolve().parent
+for _p in (str(_HERE.parent), str(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from train_step import _err, _fmt, allocated_gib, environment, log, peak_gib, reset_memory, sync  # noqa: E402
+
+GIB = 1024**3
+
+# name -> preset, transformers model_type, tokens, the ratio the target is on, the target
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3": dict(preset="qwen3_moe_30b_a3b", hf="qwen3_moe", tokens=16384, denom="bare", target=1.25),
+    "deepseek_v3": dict(preset="deepseek_v3", hf="deepseek_v3", tokens=8192, denom="bare_routed+shared",
+                        target=1.15),
+    "mixtral": dict(preset="mixtral_8x7b", hf="mixtral", tokens=8192, denom="bare", target=1.05),
+}
+FORCED_TARGET = 1.1
+# --small: the same routing features at toy sizes (D and F multiples of 16 bytes so the grouped GEMM runs)
+SMALL: dict[str, dict[str, Any]] = {
+    "qwen3": dict(hidden_size=256, moe={"num_experts": 16, "top_k": 4, "expert_hidden_size": 128}),
+    "deepseek_v3": dict(hidden_size=256, moe={"num_experts": 16, "top_k": 4, "expert_hidden_size": 64,
+                                              "num_groups": 4, "group_topk": 2, "shared_expert_hidden_size": 64}),
+    "mixtral": dict(hidden_size=256, moe={"num_experts": 4, "top_k": 2, "expert_hidden_size": 256}),
+}
+SMALL_TOKENS = 256
+HF_BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "deepseek_v3": "DeepseekV3MoE", "mixtral": "MixtralSparseMoeBlock"}
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> dict[str, Any]:
+    """Median (and min / mean) ms of ``step`` after ``warmup`` untimed calls; peak memory over the whole run."""
+    base = allocated_gib(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(warmup):
+        step()
+    sync(device)
+    times: list[float] = []
+    if device.type == "cuda":
+        events = []
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            step()
+            e.record()
+            events.append((s, e))
+        sync(device)
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = peak_gib(device)
+    return {"ms": statistics.median(times), "ms_min": min(times), "ms_mean": sum(times) / len(times),
+            "iters": iters, "warmup": warmup, "times_ms": times, "peak_gib": peak,
+            "allocated_before_gib": base,
+            "peak_above_start_gib": None if peak is None or base is None else peak - base}
+
+
+def guarded(res: dict[str, Any], fn: Callable[[], None]) -> None:
+    """Run ``fn``; an exception is recorded in ``res`` (error + traceback) instead of stopping the benchmark."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - report, don't crash: the other sections still run
+        res["error"] = _err(e)
+        res["traceback"] = traceback.format_exc()
+        log(res["traceback"])
+
+
+@contextlib.contextmanager
+def building(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside are created on ``device`` with ``dtype`` as the default floating dtype."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def clear_grads(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        t.grad = None
+
+
+def fwd_bwd_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], torch.Tensor]:
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> torch.Tensor:
+        clear_grads(x, *params)
+        y = module(x)
+        y.backward(dy)
+        return y
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------------ our layer
+def model_config(name: str, small: bool) -> Any:
+    from lightning_moe.config import ModelConfig
+
+    return ModelConfig.from_preset(SHAPES[name]["preset"], **(SMALL[name] if small else {}))
+
+
+def build_ours(cfg: Any, device: torch.device, dtype: torch.dtype, seed: int,
+               router_state: Optional[dict[str, torch.Tensor]] = None) -> Any:
+    """Our layer, initialised on the device from ``seed`` (the same weights every call), then cast as the model
+    casts it (``.to(dtype)``: the router keeps fp32)."""
+    from lightning_moe.moe.layer import MoELayer
+
+    torch.manual_seed(seed)
+    with building(device, dtype):
+        layer = MoELayer(cfg.moe, cfg.hidden_size, init_std=cfg.init_std)
+    layer.to(device=device, dtype=dtype)
+    if router_state is not None:
+        layer.router.load_state_dict(router_state, strict=False)
+    return layer.train()
+
+
+def routing_summary(counts: torch.Tensor) -> dict[str, Any]:
+    c = counts.detach().float().cpu()
+    mean = float(c.mean())
+    return {"tokens_per_expert_max": int(c.max()), "tokens_per_expert_min": int(c.min()),
+            "tokens_per_expert_mean": mean, "max_over_mean": float(c.max()) / mean if mean else None,
+            "empty_experts": int((c == 0).sum())}
+
+
+def train_router(layer: Any, x: torch.Tensor, steps: int, lr: float) -> list[dict[str, Any]]:
+    """``steps`` SGD steps on the router weight only (loss: mean(y * dy') + the layer's aux and z losses, a fresh
+    random dy' each step), with the expert-bias update of aux-loss-free balancing after each."""
+    hist = []
+    opt = torch.optim.SGD([layer.router.weight], lr=lr)
+    gen = torch.Generator(device=x.device).manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        y = layer(x)
+        d = torch.randn(y.shape, device=y.device, dtype=torch.float32, generator=gen)
+        loss = (y.float() * d).mean() + layer.last_aux_loss + layer.last_z_loss
+        loss.backward()
+        opt.step()
+        layer.router.update_expert_bias()
+        hist.append({"loss": float(loss), **routing_summary(layer.last_stats["tokens_per_expert"])})
+        for p in layer.parameters():
+            p.grad = None
+    layer.pop_routing_stats()
+    return hist
+
+
+def numerics_check(layer: Any, cfg: Any, x: torch.Tensor, dy: torch.Tensor, n: int) -> dict[str, Any]:
+    """Fast path vs the fp32 per-expert loop of the same weights on the first ``n`` tokens: max |diff| / max |ref|
+    of the output and of dx (the routing is the same: the router computes in fp32 from the same x)."""
+    from lightning_moe.moe.layer import MoELayer
+
+    n = min(n, x.shape[1])
+    xs = x[:, :n].detach()
+    dys = dy[:, :n]
+    with torch.device("meta"):
+        ref = MoELayer(cfg.moe, cfg.hidden_size, init_std=cfg.init_std)
+    ref = ref.to_empty(device=x.device).float()
+    ref.load_state_dict(layer.state_dict())  # the non-persistent bias counts are in neither: zeroed below
+    if ref.router.bias_counts is not None:
+        ref.router.bias_counts.zero_()
+    ref.train()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+
+    def run(mod: Any, xin: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xin = xin.detach().clone().requires_grad_(True)
+        y = mod(xin)
+        y.backward(g)
+        return y.detach().float(), xin.grad.detach().float()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+        d = (a - b).abs().max().item()
+        return {"max_abs_diff": d, "max_abs_ref": b.abs().max().item(), "rel": d / max(b.abs().max().item(), 1e-30)}
+
+    ref.experts.use_grouped_mm = False
+    y_ref, dx_ref = run(ref, xs.float(), dys.float())
+    y_fast, dx_fast = run(layer, xs, dys)
+    ref.experts.use_grouped_mm = True
+    y_f32, dx_f32 = run(ref, xs.float(), dys.float())
+    out = {"tokens": n, "reference": "fp32 GroupedExperts.forward_loop (per-expert matmuls), same weights",
+           "bench_dtype_fast_vs_fp32_loop": {"y": rel(y_fast, y_ref), "dx": rel(dx_fast, dx_ref)},
+           "fp32_fast_vs_fp32_loop": {"y": rel(y_f32, y_ref), "dx": rel(dx_f32, dx_ref)},
+           "fp32_fast_fell_back_to_loop": bool(getattr(ref.experts, "_warned_fallback", False))}
+    tol = 5e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    out["tolerance_bench_dtype"], out["tolerance_fp32"] = tol, 1e-4
+    out["ok"] = bool(max(out["bench_dtype_fast_vs_fp32_loop"]["y"]["rel"], out["bench_dtype_fast_vs_fp32_loop"]["dx"]["rel"]) < tol
+                     and max(out["fp32_fast_vs_fp32_loop"]["y"]["rel"], out["fp32_fast_vs_fp32_loop"]["dx"]["rel"]) < 1e-4)
+    del ref
+    return out
+
+
+def profile_layer(step: Callable[[], Any], device: torch.device, trace_path: Path, iters: int = 3) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()  # one untimed step outside the profiler
+    sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            step()
+        sync(device)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace_path))
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=20)
+
+
+# ------------------------------------------------------------------------------------------------ bare GEMMs
+def balanced_counts(rows: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    c = torch.full((num_experts,), rows // num_experts, dtype=torch.int64)
+    c[: rows % num_experts] += 1
+    return c.to(device)
+
+
+def bare_step(experts: Any, counts: Optional[torch.Tensor], shared: Any, T: int, device: torch.device,
+              dtype: torch.dtype, seed: int) -> Callable[[], None]:
+    """Autograd over the GEMMs only, on leaves (the rows, the SwiGLU hidden h) so no elementwise op runs: per
+    projection one forward GEMM and two backward GEMMs (input and weight gradient); gate and up take separate
+    copies of the rows, so dx needs no accumulation. ``counts`` None: no routed part; ``shared``: also the shared
+    expert's dense GEMMs on T tokens."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape: int, grad: bool = False) -> torch.Tensor:
+        t = torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+        return t.requires_grad_(grad)
+
+    parts: list[Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]] = []
+    leaves: list[torch.Tensor] = []
+    if counts is not None:
+        w1, w2, w3 = experts.w1, experts.w2, experts.w3
+        R, D, Fh = int(counts.sum()), w1.shape[2], w1.shape[1]
+        offs = torch.cumsum(counts.to(device), 0, dtype=torch.int32)
+        xg, xu, h = rnd(R, D, grad=True), rnd(R, D, grad=True), rnd(R, Fh, grad=True)
+        dg, du, dy = rnd(R, Fh), rnd(R, Fh), rnd(R, D)
+        leaves += [w1, w2, w3, xg, xu, h]
+
+        def routed() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            g = torch._grouped_mm(xg, w1.transpose(-2, -1), offs=offs)
+            u = torch._grouped_mm(xu, w3.transpose(-2, -1), offs=offs)
+            y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            return [g, u, y], [dg, du, dy]
+
+        parts.append(routed)
+    if shared is not None:
+        s1, s2, s3 = shared.w1.weight, shared.w2.weight, shared.w3.weight
+        D, Fs = s1.shape[1], s1.shape[0]
+        sxg, sxu, sh = rnd(T, D, grad=True), rnd(T, D, grad=True), rnd(T, Fs, grad=True)
+        sdg, sdu, sdy = rnd(T, Fs), rnd(T, Fs), rnd(T, D)
+        leaves += [s1, s2, s3, sxg, sxu, sh]
+
+        def dense() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            return [F.linear(sxg, s1), F.linear(sxu, s3), F.linear(sh, s2)], [sdg, sdu, sdy]
+
+        parts.append(dense)
+
+    def step() -> None:
+        clear_grads(*leaves)
+        outs, grads = [], []
+        for part in parts:
+            o, g = part()
+            outs += o
+            grads += g
+        torch.autograd.backward(outs, grads)
+
+    return step
+
+
+def experts_only_step(experts: Any, counts: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                      seed: int) -> Callable[[], None]:
+    """Our GroupedExperts (grouped GEMMs + SwiGLU, its autograd) on rows already grouped by expert."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    R = int(counts.sum())
+    x = torch.randn(R, experts.dim, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+    dy = torch.randn(R, experts.dim, device=device, dtype=dtype, generator=gen)
+    params = list(experts.parameters())
+
+    def step() -> None:
+        clear_grads(x, *params)
+        experts(x, counts).backward(dy)
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------------ peers
+def _copy_into(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Copy ``values`` (by parameter / buffer name) into ``module``, keeping the module's dtypes; names of the
+    module that got nothing are returned (the benchmark then runs them as initialised, and says so)."""
+    own = dict(module.named_parameters())
+    own.update({k: v for k, v in module.named_buffers() if v is not None})
+    missing = sorted(set(own) - set(values))
+    unknown = sorted(set(values) - set(own))
+    with torch.no_grad():
+        for name, v in values.items():
+            if name in own:
+                if tuple(own[name].shape) != tuple(v.shape):
+                    raise ValueError(f"{name}: shape {tuple(own[name].shape)} vs ours {tuple(v.shape)}")
+                own[name].copy_(v)
+    return {"unmapped": missing, "unused": unknown}
+
+
+def hf_block(model_cfg: Any, model_type: str, impl: str, src: Any, device: torch.device,
+             dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+    import transformers
+    from transformers import AutoConfig
+
+    from lightning_moe.models.hf import config_to_hf
+
+    d = config_to_hf(model_cfg, model_type)
+    d.pop("model_type", None)
+    d.pop("architectures", None)
+    hcfg = AutoConfig.for_model(model_type, **d)
+    info: dict[str, Any] = {"transformers": transformers.__version__}
+    if impl != "eager" and not hasattr(hcfg, "_experts_implementation"):
+        raise RuntimeError(f"transformers {transformers.__version__} has no experts implementation switch")
+    if hasattr(hcfg, "_experts_implementation"):
+        hcfg._experts_implementation = impl
+    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    cls = getattr(mod, HF_BLOCKS[model_type])
+    with building(device, dtype):
+        block = cls(hcfg)
+    # the dtypes the transformers model keeps in fp32 (DeepSeek-V3: gate.weight, e_score_correction_bias)
+    keep: set[str] = set()
+    for obj in vars(mod).values():
+        if isinstance(obj, type) and issubclass(obj, transformers.PreTrainedModel):
+            for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+                keep |= set(getattr(obj, attr, None) or [])
+    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+        if t.is_floating_point() and any(k in name for k in keep):
+            t.data = t.data.float()
+    info["fp32_tensors"] = sorted(n for n, t in list(block.named_parameters()) + list(block.named_buffers())
+                                  if t.dtype == torch.float32)
+    e = src.experts
+    ex = block.experts
+    w13 = torch.cat([e.w1.detach(), e.w3.detach()], dim=1)  # [E, 2F, D]: gate then up (transformers' chunk order)
+    if getattr(ex, "is_transposed", False):
+        vals = {"experts.gate_up_proj": w13.transpose(1, 2), "experts.down_proj": e.w2.detach().transpose(1, 2)}
+    else:
+        vals = {"experts.gate_up_proj": w13, "experts.down_proj": e.w2.detach()}
+    vals["gate.weight"] = src.router.weight.detach()
+    if src.router.expert_bias is not None:
+        vals["gate.e_score_correction_bias"] = src.router.expert_bias
+    if src.shared_experts is not None:
+        s = src.shared_experts
+        vals.update({"shared_experts.gate_proj.weight": s.w1.weight.detach(),
+                     "shared_experts.up_proj.weight": s.w3.weight.detach(),
+                     "shared_experts.down_proj.weight": s.w2.weight.detach()})
+    info.update(_copy_into(block, vals))
+    info["experts_implementation"] = str(getattr(ex.config, "_experts_implementation", "n/a")) \
+        if hasattr(ex, "config") else "n/a (no experts interface)"
+    return block.train(), info
+
+
+def titan_block(model_cfg: Any, src: Any, device: torch.device, dtype: torch.dtype,
+                forced: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    m, D = model_cfg.moe, model_cfg.hidden_size
+    E, k = m.num_experts, m.top_k
+    if m.score_func == "softmax" and not m.pre_softmax and not m.norm_topk_prob:
+        raise ValueError("softmax over the chosen logits without renormalisation has no torchtitan equivalent")
+    shared = None
+    if m.shared_expert_hidden_size:
+        Fs = m.shared_expert_hidden_size
+        shared = FeedForward.Config(w1=Linear.Config(in_features=D, out_features=Fs),
+                                    w2=Linear.Config(in_features=Fs, out_features=D),
+                                    w3=Linear.Config(in_features=D, out_features=Fs))
+    cfg = MoE.Config(
+        num_experts=E,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=m.expert_hidden_size, num_experts=E),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k)),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=E, gate=Linear.Config(in_features=D, out_features=E), top_k=k, score_func=m.score_func,
+            # Mixtral (softmax over the k chosen logits) = softmax over all, top-k, renormalised
+            route_norm=bool(m.norm_topk_prob or (m.score_func == "softmax" and not m.pre_softmax)),
+            route_scale=float(m.scaling_factor or 1.0), num_expert_groups=m.num_groups,
+            num_limited_groups=m.group_topk, _debug_force_load_balance=forced),
+        load_balance_coeff=1e-3 if m.expert_bias else None,
+        shared_experts=shared,
+    )
+    with building(device, dtype):
+        block = cfg.build()
+    e = src.experts
+    vals = {"routed_experts.inner_experts.w1_EFD": e.w1.detach(), "routed_experts.inner_experts.w2_EDF": e.w2.detach(),
+            "routed_experts.inner_experts.w3_EFD": e.w3.detach(), "router.gate.weight": src.router.weight.detach(),
+            "tokens_per_expert_E": torch.zeros(E, device=device)}
+    if src.router.expert_bias is not None:
+        vals["expert_bias_E"] = src.router.expert_bias
+    if src.shared_experts is not None:
+        s = src.shared_experts
+        vals.update({f"shared_experts.{n}.weight": getattr(s, n).weight.detach() for n in ("w1", "w2", "w3")})
+    info = _copy_into(block, vals)
+    info["torchtitan"] = _version("torchtitan")
+    info["router_gate_dtype"] = str(block.router.gate.weight.dtype).replace("torch.", "")
+    return block.train(), info
+
+
+def _version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception as e:  # noqa: BLE001
+        return f"unavailable ({_err(e)})"
+
+
+def output_diff(y: torch.Tensor, y_ours: torch.Tensor) -> dict[str, float]:
+    d = (y.detach().float() - y_ours.float()).abs()
+    row = d.reshape(-1, d.shape[-1]).amax(-1)
+    scale = max(y_ours.float().abs().max().item(), 1e-30)
+    return {"max_abs_diff": d.max().item(), "rel": d.max().item() / scale,
+            "tokens_differing_gt_1pct": float((row > 1e-2 * scale).float().mean().item())}
+
+
+# ------------------------------------------------------------------------------------------------ one shape
+def run_shape(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+              save: Callable[[], None], rep: dict[str, Any]) -> None:
+    spec = SHAPES[name]
+    runs: dict[str, dict[str, Any]] = rep.setdefault("runs", {})
+    cfg = model_config(name, args.small)
+    T = args.tokens or (SMALL_TOKENS if args.small else spec["tokens"])
+    m = cfg.moe
+    rep.update({"preset": spec["preset"], "tokens": T, "hidden_size": cfg.hidden_size, "moe": dataclasses.asdict(m),
+                "target": {"ratio": f"ours_learned / {spec['denom']}", "max": spec["target"]}})
+    log(f"\n=== {name}: D {cfg.hidden_size}, F {m.expert_hidden_size}, {m.num_experts} experts top-{m.top_k}"
+        f"{', shared F ' + str(m.shared_expert_hidden_size) if m.shared_expert_hidden_size else ''}, T {T}, {dtype} ===")
+    seed = args.seed
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.randn(1, T, cfg.hidden_size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+    dy = torch.randn(1, T, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+
+    def record(key: str, res: dict[str, Any]) -> None:
+        runs[key] = res
+        log(_line(name, key, res))
+        save()
+
+    # ---- ours: learned, forced, numerics, then the bare GEMMs with our weights and counts
+    reset_memory(device)
+    layer = None
+    counts = None
+    y_ours = None
+    router_state = None
+    st: dict[str, Any] = {"impl": "lightning_moe MoELayer"}
+
+    def build() -> None:
+        nonlocal layer
+        if not hasattr(m, "force_balance"):
+            rep["force_balance"] = "unavailable: MoEConfig has no force_balance field"
+        layer = build_ours(cfg, device, dtype, seed)
+        st["experts_class"] = type(layer.experts).__name__
+        st["use_grouped_mm"] = bool(getattr(layer.experts, "use_grouped_mm", False))
+        st["router_weight_dtype"] = str(layer.router.weight.dtype).replace("torch.", "")
+        st["expert_weight_dtype"] = str(layer.experts.w1.dtype).replace("torch.", "")
+        st["params"] = sum(p.numel() for p in layer.parameters())
+        st["router_steps"] = args.router_steps
+        if args.router_steps:
+            st["router_training"] = train_router(layer, x.detach(), args.router_steps, args.router_lr)
+
+    guarded(st, build)
+    rep["ours"] = st
+    if layer is None:
+        record("ours_learned", {"error": st.get("error", "build failed")})
+        return
+
+    res: dict[str, Any] = {}
+
+    def learned() -> None:
+        nonlocal counts, y_ours
+        with torch.no_grad():
+            y_ours = layer(x).detach()
+        res.update(time_steps(fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters))
+        counts = layer.last_stats["tokens_per_expert"].detach().clone()
+        res["routing"] = routing_summary(counts)
+        res["tokens_per_expert"] = counts.tolist()
+        res["fell_back_to_loop"] = bool(getattr(layer.experts, "_warned_fallback", False))
+
+    guarded(res, learned)
+    record("ours_learned", res)
+
+    res = {}
+
+    def forced() -> None:
+        if not hasattr(layer.router.config, "force_balance"):
+            raise RuntimeError("MoEConfig has no force_balance option")
+        layer.router.config.force_balance = True
+        try:
+            res.update(time_steps(fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters))
+            res["routing"] = routing_summary(layer.last_stats["tokens_per_expert"])
+        finally:
+            layer.router.config.force_balance = False
+
+    guarded(res, forced)
+    record("ours_forced", res)
+
+    if args.profile:
+        res = {}
+
+        def prof() -> None:
+            trace = Path(args.out).resolve().parent / f"moe_layer_trace_{name}.json"
+            table = profile_layer(fwd_bwd_step(layer, x, dy), device, trace)
+            log(f"\n--- profile: {name} ours_learned, 3 iterations (top 20 by self "
+                f"{'CUDA' if device.type == 'cuda' else 'CPU'} time) ---\n{table}")
+            res["trace"] = str(trace)
+            res["table"] = table
+
+        guarded(res, prof)
+        rep["profile"] = res
+
+    clear_grads(x, *layer.parameters())
+    reset_memory(device)
+    num: dict[str, Any] = {}
+    guarded(num, lambda: num.update(numerics_check(layer, cfg, x, dy, args.check_tokens)))
+    rep["numerics"] = num
+    log(f"[{name}] numerics: {_numerics_line(num)}")
+    reset_memory(device)
+
+    R = T * m.top_k
+    bal = balanced_counts(R, m.num_experts, device)
+    shared = layer.shared_experts
+    bare_runs = [("bare", "learned", False), ("bare_balanced", "balanced", False)]
+    if shared is not None:
+        bare_runs += [("bare_shared", None, True), ("bare_routed+shared", "learned", True),
+                      ("bare_balanced_routed+shared", "balanced", True)]
+    for key, kind, with_shared in bare_runs:
+        res = {"counts": kind}
+        c = bal if kind == "balanced" else counts if kind == "learned" else None
+        if kind == "learned" and counts is None:
+            res["error"] = "no counts from ours_learned"
+        else:
+            guarded(res, lambda c=c, sh=shared if with_shared else None: res.update(time_steps(
+                bare_step(layer.experts, c, sh, T, device, dtype, seed + 2), device, args.warmup, args.iters)))
+        clear_grads(*layer.parameters())
+        reset_memory(device)
+        record(key, res)
+    if counts is not None:
+        res = {"impl": "GroupedExperts forward + backward on grouped rows (GEMMs + SwiGLU)"}
+        guarded(res, lambda: res.update(time_steps(experts_only_step(layer.experts, counts, device, dtype, seed + 3),
+                                                   device, args.warmup, args.iters)))
+        clear_grads(*layer.parameters())
+        record("experts_only", res)
+
+    router_state = {k: v.detach().clone() for k, v in layer.router.state_dict().items()}
+    del layer
+    reset_memory(device)
+
+    # ---- peers: our weights (rebuilt from the seed) copied in, then ours freed before timing
+    def peer(key: str, make: Callable[[Any], tuple[torch.nn.Module, dict[str, Any]]], compare: bool = True) -> None:
+        res: dict[str, Any] = {}
+        block = None
+
+        def go() -> None:
+            nonlocal block
+            src = build_ours(cfg, device, dtype, seed, router_state)
+            try:
+                block, info = make(src)
+            finally:
+                del src
+            res.update(info)
+            reset_memory(device)
+            if compare and y_ours is not None:
+                with torch.no_grad():
+                    res["vs_ours"] = output_diff(block(x), y_ours)
+            res.update(time_steps(fwd_bwd_step(block, x, dy), device, args.warmup, args.iters))
+
+        guarded(res, go)
+        del block
+        reset_memory(device)
+        record(key, res)
+
+    if not args.skip_hf:
+        for impl in [s.strip() for s in args.hf_impls.split(",") if s.strip()]:
+            peer(f"hf_{impl}", lambda src, impl=impl: hf_block(cfg, spec["hf"], impl, src, device, dtype))
+    if not args.skip_torchtitan:
+        try:
+            importlib.import_module("torchtitan.models.common.moe")
+            ok = True
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            for key in ("torchtitan", "torchtitan_forced"):
+                record(key, {"unavailable": _err(e)})
+        if ok:
+            peer("torchtitan", lambda src: titan_block(cfg, src, device, dtype, forced=False))
+            peer("torchtitan_forced", lambda src: titan_block(cfg, src, device, dtype, forced=True), compare=False)
+    rep["ratios"] = ratios(name, runs)
+
+
+# ------------------------------------------------------------------------------------------------ report
+def ratios(name: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def ms(k: str) -> Optional[float]:
+        return runs.get(k, {}).get("ms")
+
+    out: dict[str, Any] = {}
+    for k, r in runs.items():
+        if r.get("ms") is None:
+            continue
+        for d in ("bare", "bare_routed+shared"):
+            if ms(d):
+                out.setdefault(k, {})[f"/{d}"] = r["ms"] / ms(d)
+    spec = SHAPES[name]
+    learned, forced, denom = ms("ours_learned"), ms("ours_forced"), ms(spec["denom"])
+    out["target"] = {
+        "ratio": f"ours_learned/{spec['denom']}", "value": learned / denom if learned and denom else None,
+        "max": spec["target"],
+        "learned/forced": learned / forced if learned and forced else None, "learned/forced_max": FORCED_TARGET}
+    t = out["target"]
+    t["met"] = None if t["value"] is None else t["value"] <= spec["target"]
+    t["forced_met"] = None if t["learned/forced"] is None else t["learned/forced"] <= FORCED_TARGET
+    return out
+
+
+def _line(shape: str, key: str, r: dict[str, Any]) -> str:
+    s = f"[{shape} | {key}] {_fmt(r.get('ms'), '.3f')} ms  peak {_fmt(r.get('peak_gib'), '.2f')} GiB"
+    if r.get("routing"):
+        s += f"  max/mean tokens per expert {_fmt(r['routing'].get('max_over_mean'), '.2f')}"
+    if r.get("vs_ours"):
+        s += f"  |y - y_ours|/max|y_ours| {r['vs_ours']['rel']:.2e}"
+    if r.get("unavailable"):
+        s += f"  unavailable: {r['unavailable']}"
+    if r.get("error"):
+        s += f"  ERROR {r['error']}"
+    return s
+
+
+def _numerics_line(n: dict[str, Any]) -> str:
+    if n.get("error"):
+        return "ERROR " + n["error"]
+    a, b = n["bench_dtype_fast_vs_fp32_loop"], n["fp32_fast_vs_fp32_loop"]
+    return (f"fast (bench dtype) vs fp32 loop: y {a['y']['rel']:.2e}, dx {a['dx']['rel']:.2e}; fp32 fast vs fp32 loop:"
+            f" y {b['y']['rel']:.2e}, dx {b['dx']['rel']:.2e} (rel. to max|ref|, {n['tokens']} tokens)"
+            f" -> {'ok' if n['ok'] else 'MISMATCH'}")
+
+
+def _vs(v: Optional[dict[str, float]]) -> str:
+    return "-" if not v else f"{v['rel']:.1e} ({v['tokens_differing_gt_1pct']:.1%})"
+
+
+def table(shapes: dict[str, dict[str, Any]]) -> str:
+    head = ["shape", "impl", "ms", "x bare", "x bare r+s", "peak GiB", "max/mean", "vs ours", "note"]
+    rows = []
+    for name, rep in shapes.items():
+        q = rep.get("ratios", {})
+        for k, r in rep.get("runs", {}).items():
+            note = ("unavailable: " + r["unavailable"]) if r.get("unavailable") else \
+                ("ERROR " + r["error"]) if r.get("error") else r.get("experts_implementation", "")
+            rt = r.get("routing") or {}
+            rows.append([name, k, _fmt(r.get("ms"), ".3f"), _fmt(q.get(k, {}).get("/bare"), ".2f"),
+                         _fmt(q.get(k, {}).get("/bare_routed+shared"), ".2f"), _fmt(r.get("peak_gib"), ".2f"),
+                         _fmt(rt.get("max_over_mean"), ".2f"), _vs(r.get("vs_ours")),
+                         note[:90]])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def targets(shapes: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for name, rep in shapes.items():
+        t = rep.get("ratios", {}).get("target")
+        if not t:
+            continue
+        met = {True: "MET", False: "MISSED", None: "n/a"}
+        out.append(f"{name}: {t['ratio']} = {_fmt(t['value'], '.2f')}x (target <= {t['max']}x: {met[t['met']]});"
+                   f" learned/forced = {_fmt(t['learned/forced'], '.2f')} (target <= {t['learned/forced_max']}:"
+                   f" {met[t['forced_met']]}); numerics {'ok' if rep.get('numerics', {}).get('ok') else 'NOT ok'}")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen3,deepseek_v3,mixtral", help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--tokens", type=int, default=None, help="T for every shape (default: the shape's; 256 --small)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per implementation (default 20; 3 --small)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 1 --small)")
+    p.add_argument("--router-steps", type=int, default=0, help="SGD steps on the router before timing (default 0)")
+    p.add_argument("--router-lr", type=float, default=1e-2)
+    p.add_argument("--check-tokens", type=int, default=256, help="tokens of the fp32 reference check")
+    p.add_argument("--hf-impls", default="eager,grouped_mm",
+                   help="transformers experts implementations to time ('eager' = the per-expert loop)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-torchtitan", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler of ours_learned: top-20 kernels to stdout, a trace next to --out")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 (cuda), fp32 (cpu)")
+    p.add_argument("--small", action="store_true", help="toy sizes of the three shapes (smoke test on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="moe_layer_results.json")
+    args = p.parse_args(argv)
+    if args.iters is None:
+        args.iters = 3 if args.small else 20
+    if args.warmup is None:
+        args.warmup = 1 if args.small else 5
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    bad = [s for s in args.shapes.split(",") if s.strip() not in SHAPES]
+    if bad:
+        p.error(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    else:
+        log("--device cuda but CUDA is not available; use --device cpu")
+        return 2
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    t_all = time.perf_counter()
+    env = environment(device)
+    env["torchtitan"] = _version("torchtitan")
+    report: dict[str, Any] = {"args": vars(args), "env": env, "shapes": {}}
+    log(json.dumps(env))
+
+    def save() -> None:
+        report["total_wall_s"] = time.perf_counter() - t_all
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+
+    for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+        rep: dict[str, Any] = report["shapes"].setdefault(name, {})
+        t0 = time.perf_counter()
+        guarded(rep, lambda: run_shape(name, args, device, dtype, save, rep))
+        rep["wall_s"] = time.perf_counter() - t0
+        if "ratios" not in rep:
+            rep["ratios"] = ratios(name, rep.get("runs", {}))
+        reset_memory(device)
+        save()
+
+    save()
+    log("\n" + "=" * 100)
+    log(f"MoE layer forward + backward, {args.dtype}, {device} ({env.get('gpu', 'cpu')}); median of {args.iters} "
+        f"after {args.warmup} warmup; 'x bare' = ms / bare routed grouped GEMMs with our learned counts; 'vs ours' ="
+        f" max|y - y_ours| / max|y_ours| (tokens off by > 1% of it)")
+    log(table(report["shapes"]))
+    log(targets(report["shapes"]))
+    log(f"total wall time {report['total_wall_s']:.0f}s; results in {args.out}")
+    ok = all(not rep.get("error") and rep.get("numerics", {}).get("ok")
+             and not any(r.get("error") for r in rep.get("runs", {}).values()) for rep in report["shapes"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
