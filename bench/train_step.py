@@ -234,7 +234,14 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
             num_sanity_val_steps=0,
             callbacks=[rec, *extra_callbacks],
         )
+        prof = None
+        if getattr(args, "profile", False) and timed and not getattr(args, "_profiled", False):
+            args._profiled = True  # the first timed run only
+            prof = StepProfiler(args.warmup, 3, Path(args.out).with_suffix(".trace.json"))
+            trainer.callbacks.append(prof)
         trainer.fit(model, datamodule=dm)
+        if prof is not None:
+            res["profile_top"] = prof.table
         experts = [blk.moe.experts for blk in model.model.layers.values() if blk.is_moe]
         gm = sorted({bool(getattr(e, "use_grouped_mm", False)) for e in experts})
         unaligned = any(getattr(e, "_warned_unaligned", False) for e in experts)
@@ -269,6 +276,40 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     res["allocated_after_free_gib"] = allocated_gib(device)
     log(_summary_line(res))
     return res
+
+
+class StepProfiler:
+    """torch.profiler over ``n`` optimizer steps after ``start`` (a Lightning callback, duck-typed so this module
+    imports without Lightning): prints the top CUDA kernels by self time and writes a Chrome trace."""
+
+    def __new__(cls, *a: Any, **k: Any) -> Any:
+        import lightning as L
+
+        class _P(L.Callback):
+            def __init__(self, start: int, n: int, trace: Path) -> None:
+                self.start, self.n, self.trace, self.prof, self.table = start, n, trace, None, ""
+
+            def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+                if trainer.global_step == self.start:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                    self.prof = profile(activities=acts)
+                    self.prof.__enter__()
+
+            def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+                if self.prof is not None and trainer.global_step == self.start + self.n:
+                    self.prof.__exit__(None, None, None)
+                    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                    self.table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
+                    log(f"\nprofile of {self.n} steps (from step {self.start}):\n{self.table}")
+                    try:
+                        self.prof.export_chrome_trace(str(self.trace))
+                    except Exception as e:  # the table matters more than the trace
+                        log(f"trace export failed: {_err(e)}")
+                    self.prof = None
+
+        return _P(*a, **k)
 
 
 # ------------------------------------------------------------------------------------------ transformers run
@@ -487,6 +528,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="comma-separated runs of ours, each a loss_impl (auto, torch, chunked, liger) optionally "
                         "with +compile, e.g. 'torch,auto,auto+compile'; default: one run with --loss-impl")
     p.add_argument("--loss-impl", default="auto", help="MoELanguageModel(loss_impl=...) of the default run")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over 3 steps of the first timed run of ours: top kernels + a Chrome trace")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--skip-ours", action="store_true", help="skip the lightning_moe Qwen-shaped run")
