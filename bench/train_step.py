@@ -171,9 +171,10 @@ def _err(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------- lightning_moe runs
 def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
              device: torch.device, peak: Optional[dict], timed: bool, strategy: Any = None,
-             extra_callbacks: tuple = ()) -> dict[str, Any]:
+             extra_callbacks: tuple = (), logger: Any = False) -> dict[str, Any]:
     """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
-    strategy) and ``extra_callbacks`` let other benchmarks (memory options, the routing monitor) reuse the run."""
+    strategy), ``extra_callbacks`` and ``logger`` (default: none) let other benchmarks (memory options, the routing
+    monitor) reuse the run."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
@@ -217,7 +218,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
             strategy=strategy if strategy is not None else "auto",
             precision=args.precision,
             max_steps=args.steps,
-            logger=False,
+            logger=logger,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
