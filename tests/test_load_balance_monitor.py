@@ -353,3 +353,17 @@ def test_refuses_a_module_that_is_not_moe_language_model(tmp_path):
                         callbacks=[LoadBalanceMonitor()])
     with pytest.raises(ValueError, match="MoELanguageModel"):
         trainer.fit(BoringModel())
+
+
+def test_a_model_without_moe_layers_warns_and_logs_nothing(tmp_path):
+    from lightning_moe import ModelConfig
+
+    cfg = ModelConfig.from_preset("tiny", num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                  dense_hidden_size=32, max_seq_len=32, moe=dict(first_k_dense=2))
+    monitor, logger = LoadBalanceMonitor(log_every_n_steps=1, jsonl_path=str(tmp_path / "r.jsonl")), MemoryLogger()
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=logger, callbacks=[monitor], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="no MoE layer"):
+        trainer.fit(MoELanguageModel(cfg, warmup_steps=0), datamodule=PaddedData(4, 2))
+    assert not monitor.last_metrics and not (tmp_path / "r.jsonl").exists()
+    assert not any(k.startswith("moe/") for _, m in logger.rows for k in m)
