@@ -367,3 +367,18 @@ def test_a_model_without_moe_layers_warns_and_logs_nothing(tmp_path):
         trainer.fit(MoELanguageModel(cfg, warmup_steps=0), datamodule=PaddedData(4, 2))
     assert not monitor.last_metrics and not (tmp_path / "r.jsonl").exists()
     assert not any(k.startswith("moe/") for _, m in logger.rows for k in m)
+
+
+def test_skipped_steps_are_left_out_of_the_window(tmp_path):
+    from test_module import S, ToyData
+    from test_module import small_config as module_config
+
+    data = ToyData(n_train=4, batch_size=2, ignore_tail=[S, S, 0, 0])  # step 0: every label ignored -> skipped
+    monitor = LoadBalanceMonitor(log_every_n_steps=2, jsonl_path=str(tmp_path / "r.jsonl"))
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, callbacks=[monitor], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="the step is skipped"):
+        trainer.fit(MoELanguageModel(module_config(), warmup_steps=0, skip_empty_steps=True), data)
+    lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert {(x["step"], x["window_steps"], x["num_tokens"]) for x in lines} == {(1, 1, 2 * S)}
