@@ -237,7 +237,7 @@ def test_no_host_sync_on_steps_that_do_not_log(tmp_path):
             assert not calls, f"step {step} synchronised the host: {calls}"
 
 
-# ---- W=2 ep=2 equals one process --------------------------------------------------------------------------------------
+# ---- W=2 ep=2 equals one process -------------------------------------------------------------------------------------
 
 
 def _fit_equivalence(strategy: Any, devices: int, micro: int, jsonl: str) -> dict[str, Any]:
@@ -284,7 +284,7 @@ def test_ep2_counts_and_metrics_equal_one_process(tmp_path):
         assert all(_close(a, b) for a, b in zip(g["expert_bias"], r["expert_bias"]))
 
 
-# ---- loggers ------------------------------------------------------------------------------------------------------------
+# ---- loggers ---------------------------------------------------------------------------------------------------------
 
 
 def test_wandb_offline_gets_heatmap_and_histograms_and_csv_gets_scalars(tmp_path, monkeypatch):
@@ -333,7 +333,7 @@ def test_tensorboard_gets_the_heatmap_image(tmp_path):
     assert seen and seen[0][0] == "moe/load_heatmap" and seen[0][3] == "HWC" and seen[0][1][2] == 3
 
 
-# ---- user errors ----------------------------------------------------------------------------------------------------------
+# ---- user errors -----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs, match", [

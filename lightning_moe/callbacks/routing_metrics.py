@@ -13,11 +13,13 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_moe.parallel.finalize import ROUTING_SCALARS
+
 __all__ = ["SCALARS", "pack_step", "window_metrics", "load_heatmap"]
 
-#: the per-layer scalars packed after the E expert counts, in :class:`~lightning_moe.parallel.finalize.LayerRouting`
-#: field order: sums over the window (losses: over micro-batches; entropy: over valid tokens)
-SCALARS = ("num_dropped", "num_tokens", "aux_loss", "z_loss", "entropy")
+#: the per-layer scalars packed after the E expert counts (LayerRouting's): num_dropped, num_tokens, aux_loss, z_loss,
+#: entropy; summed over the window (losses: over micro-batches; entropy: over valid tokens)
+SCALARS = ROUTING_SCALARS
 
 
 def pack_step(routing: dict) -> Tensor:

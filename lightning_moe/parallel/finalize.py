@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -103,7 +103,9 @@ def _layer_sum(result: StepResult, name: str) -> Tensor:
     return total / max(result.num_micro_batches, 1)
 
 
-_NUM_SCALARS = 5  # num_dropped, num_tokens, aux_loss, z_loss, entropy (LayerRouting's order)
+#: LayerRouting's scalar fields, in the order they are packed after the E counts of each layer
+ROUTING_SCALARS = tuple(f.name for f in fields(LayerRouting) if f.name != "tokens_per_expert")
+_NUM_SCALARS = len(ROUTING_SCALARS)
 
 
 def _reduce_routing(moe_layers: dict[int, nn.Module], global_group: Optional[ProcessGroup]) -> dict[int, LayerRouting]:
@@ -115,8 +117,7 @@ def _reduce_routing(moe_layers: dict[int, nn.Module], global_group: Optional[Pro
         st = layer.pop_routing_stats()
         E = layer.num_experts
         bias = layer.router.bias_counts
-        scalars = (st.num_dropped, st.num_tokens, st.aux_loss, st.z_loss, st.entropy)
-        parts = [st.tokens_per_expert.float(), torch.stack([t.float() for t in scalars])]
+        parts = [st.tokens_per_expert.float(), torch.stack([getattr(st, name).float() for name in ROUTING_SCALARS])]
         if bias is not None:
             parts.append(bias.float())  # exact in fp32 below 2**24 assignments per expert and step
         packed.append(torch.cat([p.to(parts[0].device) for p in parts]))
