@@ -171,11 +171,11 @@ def _err(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------- lightning_moe runs
 def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
              device: torch.device, peak: Optional[dict], timed: bool, strategy: Any = None,
-             extra_callbacks: tuple = (), variant: str = "") -> dict[str, Any]:
+             extra_callbacks: tuple = (), variant: str = "", logger: Any = False) -> dict[str, Any]:
     """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
-    strategy) and ``extra_callbacks`` let other benchmarks (memory options, the routing monitor) reuse the run.
-    ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally ``+compile`` (regional torch.compile
-    through a one-device MoEParallelStrategy)."""
+    strategy), ``extra_callbacks`` and ``logger`` (default: none) let other benchmarks (memory options, the routing
+    monitor) reuse the run. ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally ``+compile``
+    (regional torch.compile through a one-device MoEParallelStrategy)."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
@@ -226,7 +226,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
             strategy=strategy if strategy is not None else "auto",
             precision=args.precision,
             max_steps=args.steps,
-            logger=False,
+            logger=logger,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_moe.callbacks import LoadBalanceMonitor
 from lightning_moe.checkpointing import accept_state_by_name
 from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
 from lightning_moe.data import TextDataModule
@@ -305,6 +306,9 @@ def _normalize_strategy(value: Any, previous: Any) -> Any:
 class MoECLI(LightningCLI):
     """LightningCLI over MoELanguageModel and TextDataModule.
 
+    ``fit`` adds a :class:`~lightning_moe.callbacks.LoadBalanceMonitor` with its defaults unless ``trainer.callbacks``
+    already holds one (configure it there: ``class_path: lightning_moe.callbacks.LoadBalanceMonitor``).
+
     On top of LightningCLI: ``model.config`` resolves presets with field overrides (see the module docstring),
     ``--trainer.strategy moe_parallel`` selects MoEParallelStrategy, ``--optimizer X`` builds X when Lightning asks for
     the optimizers (the parameters exist only after ``configure_model``) with the model's warmup-cosine schedule unless
@@ -451,7 +455,11 @@ class MoECLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         if self.subcommand is not None:  # data and model are built: check them before the Trainer starts anything
             self._check_data_and_model(self.subcommand)
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand == "fit" and not any(isinstance(cb, LoadBalanceMonitor) for cb in trainer.callbacks):
+            # routing health is on by default from the command line; a monitor in trainer.callbacks replaces it
+            trainer.callbacks.append(LoadBalanceMonitor())
+        return trainer
 
     def before_fit(self) -> None:
         self._announce_default_logger()

@@ -362,7 +362,9 @@ class MoELanguageModel(L.LightningModule):
 
     def on_step_finalized(self, result: StepResult) -> None:
         """Called by the gradient finalisation with the step's global statistics, before the hooks: keeps them
-        (``last_step``, ``last_train_loss``) and logs the layout-invariant step metrics."""
+        (``last_step``, ``last_train_loss``) and logs the layout-invariant step metrics. Per-layer routing health
+        (load ratios, dropped and dead experts, entropy, per-layer losses) is
+        :class:`~lightning_moe.callbacks.LoadBalanceMonitor`'s job."""
         self.last_step = result
         if result.skipped:
             return
@@ -380,21 +382,6 @@ class MoELanguageModel(L.LightningModule):
             self.log("train/tokens_per_sec", tps, prog_bar=True)
             self.log("train/tokens_per_sec_per_device", tps / self.trainer.world_size)
         self._last_step_time = result.finished_at
-        self._log_routing(result)
-
-    @torch.no_grad()
-    def _log_routing(self, result: StepResult) -> None:
-        """Per MoE layer, over the step (all ranks, all micro-batches): aux and z losses, the load of the busiest
-        expert over the mean load, and in capacity mode the fraction of assignments dropped."""
-        n = max(result.num_micro_batches, 1)
-        for idx, r in result.routing.items():
-            counts_E = r.tokens_per_expert
-            self.log(f"moe/layer{idx}/aux_loss", r.aux_loss / n)
-            self.log(f"moe/layer{idx}/z_loss", r.z_loss / n)
-            self.log(f"moe/layer{idx}/max_load_ratio", counts_E.max() / counts_E.mean().clamp(min=1e-9))
-            if self.config.moe.capacity_factor is not None:
-                assigned = counts_E.sum() + r.num_dropped
-                self.log(f"moe/layer{idx}/dropped_fraction", r.num_dropped / assigned.clamp(min=1))
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,

@@ -104,7 +104,7 @@ class _Tokens(L.LightningDataModule):
 
 
 def test_dropped_fraction_is_logged(tmp_path):
-    from lightning_moe import MoELanguageModel, ModelConfig
+    from lightning_moe import LoadBalanceMonitor, MoELanguageModel, ModelConfig
 
     cfg = ModelConfig.from_preset(
         "tiny", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, dense_hidden_size=32,
@@ -112,10 +112,12 @@ def test_dropped_fraction_is_logged(tmp_path):
                  shared_expert_hidden_size=0),
     )
     model = MoELanguageModel(cfg, warmup_steps=0)
+    monitor = LoadBalanceMonitor(log_every_n_steps=1)
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[monitor])
     trainer.fit(model, datamodule=_Tokens())
-    frac = float(trainer.callback_metrics["moe/layer1/dropped_fraction"])
+    frac = monitor.last_metrics["moe/layer1/dropped_fraction"]
     stats = model.model.layers["1"].moe.last_stats
     expected = float(stats["num_dropped"]) / (4 * 16 * 2)
     assert frac > 0

@@ -59,6 +59,31 @@ def test_fit_tiny_config_short_run(tmp_path, monkeypatch):
     assert len(vals) == 2 and all(math.isfinite(v) for v in vals), vals
     assert abs(vals[0] - math.log(260)) < 1.0  # a fresh byte-level model is near uniform
     assert vals[1] < vals[0]  # lr 3e-3 for 3 steps lowers it
+    # the default LoadBalanceMonitor (every 50 steps) logs the partial window of 3 steps when training ends
+    with open(metrics[0]) as f:
+        moe = [r for r in csv.DictReader(f) if r.get("moe/layer1/max_load_ratio")]
+    assert [(int(r["step"]), float(r["moe/window_steps"])) for r in moe] == [(2, 3.0)]
+
+
+def test_fit_takes_the_monitor_from_the_config_instead_of_the_default(tmp_path):
+    cfg = tmp_path / "monitor.yaml"
+    jsonl = tmp_path / "routing" / "counts.jsonl"
+    cfg.write_text(yaml.safe_dump({"trainer": {"callbacks": [{
+        "class_path": "lightning_moe.callbacks.LoadBalanceMonitor",
+        "init_args": {"log_every_n_steps": 1, "jsonl_path": str(jsonl)}}]}}))
+    code = _run([
+        "fit", "--config", TINY, "--config", str(cfg), "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=50000",
+        "--data.seq_len=64", "--data.batch_size=2", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
+    ])
+    assert code == 0
+    lines = [json.loads(x) for x in jsonl.read_text().splitlines()]
+    assert sorted({x["step"] for x in lines}) == [0, 1] and all(x["window_steps"] == 1 for x in lines)
+    with open(glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)[0]) as f:
+        windows = [float(r["moe/window_steps"]) for r in csv.DictReader(f) if r.get("moe/window_steps")]
+    assert windows == [1.0, 1.0]  # the configured monitor only: no default one adding a 2-step window at the end
 
 
 def test_print_config(capsys):

@@ -4,7 +4,8 @@
   gradient of the step's objective (after tp sync, 1/N and the routing reductions), on one device (Lightning's
   single-device strategy and MoEParallelStrategy) and on W=2 (dp_shard=2, ep=2).
 * Strategies that cannot give the guarantees are refused at setup with a ValueError naming MoEParallelStrategy.
-* Logged losses and routing metrics are the same numbers under every layout for the same global batch.
+* Logged losses and routing metrics (the module's and LoadBalanceMonitor's) are the same numbers under every layout
+  for the same global batch.
 * ``Trainer(strategy="moe_parallel")`` works; the build pipeline runs transforms on the meta model before
   parallelisation; components come from the registry.
 * Layout problems are ValueErrors before step 1.
@@ -29,7 +30,7 @@ from parallel_harness import GLOBAL_BATCH, EquivalenceModel, FixedData, referenc
 from test_module import ToyData, hand_grads, rel_err
 from test_module import small_config as module_config
 
-from lightning_moe import MoELanguageModel, MoEParallelStrategy
+from lightning_moe import LoadBalanceMonitor, MoELanguageModel, MoEParallelStrategy
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ def _run(layout: Any, world_size: int, steps: int = 2, model_cls: Any = Equivale
         dp = ParallelDims(world_size=world_size, **sizes).num_data_shards
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy or "auto", max_steps=steps, logger=logger,
-        callbacks=[recorder, *callbacks], enable_checkpointing=False, enable_progress_bar=False,
+        callbacks=[recorder, LoadBalanceMonitor(log_every_n_steps=1), *callbacks], enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
         log_every_n_steps=1,
     )

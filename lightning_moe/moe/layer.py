@@ -25,19 +25,33 @@ __all__ = ["MoELayer", "RoutingStats"]
 class RoutingStats:
     """Routing of the training forwards of this process since the last :meth:`MoELayer.pop_routing_stats`:
     kept assignments per expert [E] (int64), assignments of valid tokens dropped by capacity, valid tokens routed,
-    and the sums of the (rank-partial, coefficient applied) aux and z losses, detached."""
+    the sums of the (rank-partial, coefficient applied) aux and z losses, and the sum over valid tokens of the
+    entropy (nats) of the router's score distribution over all E experts (softmax scores, or for sigmoid scoring the
+    scores normalised to sum to 1; NaN when the router reports no scores), detached fp32."""
 
     tokens_per_expert: Tensor
     num_dropped: Tensor
     num_tokens: Tensor
     aux_loss: Tensor
     z_loss: Tensor
+    entropy: Tensor
 
     def __add__(self, other: "RoutingStats") -> "RoutingStats":
         return RoutingStats(*(a + b for a, b in zip(self._fields(), other._fields())))
 
     def _fields(self) -> tuple[Tensor, ...]:
-        return (self.tokens_per_expert, self.num_dropped, self.num_tokens, self.aux_loss, self.z_loss)
+        return (self.tokens_per_expert, self.num_dropped, self.num_tokens, self.aux_loss, self.z_loss, self.entropy)
+
+
+@torch.no_grad()
+def _entropy_sum(scores_TE: Optional[Tensor], valid_T: Optional[Tensor], device: torch.device) -> Tensor:
+    """Sum over valid tokens of ``-sum_e p log p`` of the normalised scores (two kernels, no host sync)."""
+    if scores_TE is None:  # a router that reports no scores: unknown, not zero
+        return torch.full((), float("nan"), device=device)
+    ent_T = torch.special.entr(scores_TE.detach().float()).sum(-1)
+    if valid_T is not None:
+        ent_T = torch.where(valid_T.bool(), ent_T, 0.0)
+    return ent_T.sum()
 
 
 class MoELayer(nn.Module):
@@ -142,7 +156,7 @@ class MoELayer(nn.Module):
         dev = self.router.weight.device
         zero_i, zero_f = torch.zeros((), dtype=torch.int64, device=dev), torch.zeros((), device=dev)
         return RoutingStats(torch.zeros(self.num_experts, dtype=torch.int64, device=dev), zero_i, zero_i, zero_f,
-                            zero_f)
+                            zero_f, zero_f)
 
     def _record(self, routing: RoutingResult, valid_T: Optional[Tensor], T: int, device: torch.device) -> None:
         if in_backward():
@@ -163,5 +177,5 @@ class MoELayer(nn.Module):
         }
         if self.training:
             st = RoutingStats(tpe, dropped, self.last_stats["num_tokens"], routing.aux_loss.detach().float(),
-                              routing.z_loss.detach().float())
+                              routing.z_loss.detach().float(), _entropy_sum(routing.scores, valid_T, device))
             self._routing_stats = st if self._routing_stats is None else self._routing_stats + st

@@ -5,8 +5,8 @@ module's) runs, :func:`finalize_step`:
 
 1. sums the gradients of tp-replicated parameters that saw distinct sequence-parallel tokens over tp;
 2. reduces the step's routing statistics of every MoE layer over every rank that routes distinct tokens, in ONE
-   all-reduce (kept assignments per expert, dropped assignments, valid tokens, the aux and z losses, and the
-   expert-bias demand counts), so every logged routing number is the same under every layout;
+   all-reduce (kept assignments per expert, dropped assignments, valid tokens, the aux and z losses, the router
+   entropy, and the expert-bias demand counts), so every logged routing number is the same under every layout;
 3. applies the aux-loss-free expert-bias update from those counts (bitwise identical on every rank);
 4. checks the step (no valid token anywhere, or a non-finite loss: one host sync) and multiplies every gradient by
    ``accumulate_grad_batches / N``, N the valid tokens of the whole step (Lightning already divided the loss by
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -67,14 +67,16 @@ class StepTotals:
 @dataclass
 class LayerRouting:
     """One MoE layer over one optimizer step, summed over every rank routing distinct tokens and over the step's
-    micro-batches: kept assignments per expert [E], assignments dropped by capacity, valid tokens routed, and the
-    sums (over micro-batches) of the aux and z losses (coefficients applied)."""
+    micro-batches: kept assignments per expert [E], assignments dropped by capacity, valid tokens routed, the
+    sums (over micro-batches) of the aux and z losses (coefficients applied), and the sum over valid tokens of the
+    router-score entropy (nats; see :class:`~lightning_moe.moe.layer.RoutingStats`). All fp32."""
 
     tokens_per_expert: Tensor
     num_dropped: Tensor
     num_tokens: Tensor
     aux_loss: Tensor
     z_loss: Tensor
+    entropy: Tensor
 
 
 @dataclass
@@ -104,6 +106,11 @@ def _layer_sum(result: StepResult, name: str) -> Tensor:
     return total / max(result.num_micro_batches, 1)
 
 
+#: LayerRouting's scalar fields, in the order they are packed after the E counts of each layer
+ROUTING_SCALARS = tuple(f.name for f in fields(LayerRouting) if f.name != "tokens_per_expert")
+_NUM_SCALARS = len(ROUTING_SCALARS)
+
+
 def _reduce_routing(moe_layers: dict[int, nn.Module], global_group: Optional[ProcessGroup]) -> dict[int, LayerRouting]:
     """Pop every layer's accumulated routing statistics, sum them over ``global_group`` in one all-reduce, apply
     the expert-bias update, and return the global statistics."""
@@ -113,8 +120,7 @@ def _reduce_routing(moe_layers: dict[int, nn.Module], global_group: Optional[Pro
         st = layer.pop_routing_stats()
         E = layer.num_experts
         bias = layer.router.bias_counts
-        parts = [st.tokens_per_expert.float(), torch.stack([st.num_dropped.float(), st.num_tokens.float(),
-                                                            st.aux_loss.float(), st.z_loss.float()])]
+        parts = [st.tokens_per_expert.float(), torch.stack([getattr(st, name).float() for name in ROUTING_SCALARS])]
         if bias is not None:
             parts.append(bias.float())  # exact in fp32 below 2**24 assignments per expert and step
         packed.append(torch.cat([p.to(parts[0].device) for p in parts]))
@@ -129,9 +135,9 @@ def _reduce_routing(moe_layers: dict[int, nn.Module], global_group: Optional[Pro
     out: dict[int, LayerRouting] = {}
     offset = 0
     for idx, E, has_bias in sizes:
-        tpe, scalars = flat[offset:offset + E], flat[offset + E:offset + E + 4]
-        offset += E + 4
-        out[idx] = LayerRouting(tpe, scalars[0], scalars[1], scalars[2], scalars[3])
+        tpe, scalars = flat[offset:offset + E], flat[offset + E:offset + E + _NUM_SCALARS]
+        offset += E + _NUM_SCALARS
+        out[idx] = LayerRouting(tpe, *scalars.unbind())
         if has_bias:
             counts_E = flat[offset:offset + E]
             offset += E
