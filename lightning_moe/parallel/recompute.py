@@ -61,6 +61,10 @@ class Recomputed:
 
 def _wrap(obj: Any, name: str, num_inputs: Optional[int] = None) -> None:
     fn = getattr(obj, name)
+    while getattr(fn, "recompute_inside", False):
+        # a scope wrapper (ActivationOffload's, applied earlier as a model transform): recompute inside it, so
+        # what a region drops is recomputed rather than offloaded, and its inputs still go through the scope
+        obj, name, fn = fn, "inner", fn.inner
     if not isinstance(fn, Recomputed):  # idempotent (e.g. the one context-parallel core shared by all blocks)
         setattr(obj, name, Recomputed(fn, num_inputs))
 
