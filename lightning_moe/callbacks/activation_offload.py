@@ -16,8 +16,9 @@ How (public torch APIs only):
   waits on that copy's event (or copies synchronously if nothing was prefetched). Buffers are held only by
   autograd's saved-tensor slots, so each is freed once its node has run.
 * Recomputation (activation checkpointing) regions nest inside and keep their own hooks: what they drop is
-  recomputed, not offloaded; their inputs are saved through the offload hooks. Forwards re-run inside backward are
-  not offloaded.
+  recomputed, not offloaded; their inputs are saved through the offload hooks. Inside blocks that ``full``
+  checkpointing wraps, the offload hooks are innermost: what they offload is not recomputed (offload wins).
+  Forwards re-run inside backward are not offloaded.
 
 Without CUDA the copies are plain host copies (the same code path, so CPU tests check exactness).
 
@@ -78,6 +79,10 @@ def _is_weight(t: Tensor, depth: int = 4) -> bool:
     return False
 
 
+def _keep(t: Any) -> Any:
+    return t
+
+
 class _Offloaded:
     """One saved tensor's host copy (and its device copy once brought back)."""
 
@@ -134,8 +139,7 @@ class _Group:
 
     def pack(self, t: Tensor) -> Any:
         o = self.offloader
-        if (type(t) is not Tensor or t.numel() * t.element_size() < o.min_bytes or in_backward()
-                or _is_weight(t)):
+        if type(t) is not Tensor or t.numel() * t.element_size() < o.min_bytes or _is_weight(t):
             return t
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
         h = self.saved.get(key)
@@ -177,8 +181,13 @@ class _Offloader:
         return self._streams[device]
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or in_backward():
+        if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
+        if in_backward():
+            # a forward re-run by full activation checkpointing: the hooks still claim the saved tensors (pack lets
+            # them stay), so the checkpoint sees the same saved tensors as in the original forward
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                return fn(*args, **kwargs)
         group = _Group(self, self.last)
         with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
             out = fn(*args, **kwargs)
