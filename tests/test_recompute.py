@@ -114,3 +114,27 @@ def _ep2_worker(rank: int, world_size: int) -> str:
 
 def test_recompute_and_offload_identical_under_ep2():
     assert run_distributed(_ep2_worker, 2) == "ok"
+
+
+def test_plan_accepts_lists_of_kinds(tmp_path, capsys):
+    import yaml
+
+    from lightning_moe.cli import plan_main
+    from lightning_moe.parallel.dims import ParallelDims
+    from lightning_moe.plan import layout_plan
+
+    cfg = gqa_config()
+    dims = ParallelDims(world_size=2, ep=2)
+    full = layout_plan(cfg, dims, "bf16-true", 16, 1, "full")
+    sel = layout_plan(cfg, dims, "bf16-true", 16, 1, ["moe_act", "norm"])
+    assert (full.a2a.transfers, sel.a2a.transfers) == (6, 4)  # selective kinds re-run no all-to-all
+    assert sel.activation_checkpointing == "norm,moe_act"
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"config": "tiny"}, "data": {"seq_len": 64, "batch_size": 2},
+        "trainer": {"devices": 2, "strategy": {"class_path": "lightning_moe.MoEParallelStrategy",
+                                               "init_args": {"ep": 2, "activation_checkpointing": ["norm", "moe_act"]}}}}))
+    assert plan_main(["--config", str(path)]) == 0
+    assert "recomputing norm,moe_act" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan_main(["--config", str(path), "--activation-checkpointing", "norm,bogus"])

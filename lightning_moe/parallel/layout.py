@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_moe.parallel.dims import ParallelDims
 
-__all__ = ["AC_MODES", "RECOMPUTE_KINDS", "DISPATCHERS", "parse_activation_checkpointing", "format_activation_checkpointing", "TP_COLWISE", "TP_ROWWISE", "TP_MODEL", "EXPERT_WEIGHTS", "block_relative",
+__all__ = ["AC_MODES", "RECOMPUTE_KINDS", "DISPATCHERS", "TP_COLWISE", "TP_ROWWISE", "TP_MODEL", "EXPERT_WEIGHTS",
+           "block_relative", "parse_activation_checkpointing", "format_activation_checkpointing",
            "split_factors"]
 
 AC_MODES = ("none", "full")
