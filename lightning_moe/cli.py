@@ -31,7 +31,8 @@ from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
 from lightning_moe.data import TextDataModule
 from lightning_moe.module import MoELanguageModel
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.plan import AC_MODES, PRECISION_BYTES, format_layout_plan, format_plan, layout_plan
+from lightning_moe.parallel.layout import RECOMPUTE_KINDS
+from lightning_moe.plan import PRECISION_BYTES, format_layout_plan, format_plan, layout_plan
 
 PROG = "lightning-moe"
 TRAINER_COMMANDS = {
@@ -589,8 +590,9 @@ def plan_main(argv: list[str]) -> int:
                    help="tokens per sequence (default min(4096, max_seq_len); with --config: data.seq_len)")
     g.add_argument("--micro-batch", type=int,
                    help="sequences per data-parallel rank per micro-batch (default 1; with --config: data.batch_size)")
-    g.add_argument("--activation-checkpointing", choices=AC_MODES,
-                   help="full: the forward all-to-alls run twice (default none)")
+    g.add_argument("--activation-checkpointing",
+                   help="none (default), full (the forward all-to-alls run twice) or a comma-separated list of "
+                   f"kinds to recompute among {', '.join(RECOMPUTE_KINDS)} (no all-to-all re-runs)")
     args = p.parse_args(argv)
     flag_sizes = {k: getattr(args, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
                   if getattr(args, k) is not None}

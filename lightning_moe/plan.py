@@ -38,7 +38,12 @@ import torch
 from lightning_moe.config import ModelConfig
 from lightning_moe.models.transformer import MoETransformer
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.layout import AC_MODES, block_relative, split_factors
+from lightning_moe.parallel.layout import (
+    block_relative,
+    format_activation_checkpointing,
+    parse_activation_checkpointing,
+    split_factors,
+)
 
 # bytes per parameter for (weights, grads, AdamW states) under each Lightning precision setting
 PRECISION_BYTES = {
@@ -84,7 +89,7 @@ class AllToAllPlan:
     tokens_per_rank: T = micro_batch * seq_len / (tp * cp) (sequence parallel: every rank routes its own tokens).
     rows_per_rank: rows each rank dispatches per MoE layer (T * k dropless; E * capacity with pad_to_capacity).
     transfers: all-to-alls per MoE layer: dispatch and combine, in forward and backward (4), plus the forward
-        again when activation checkpointing recomputes it (6).
+        again when full activation checkpointing recomputes it (6); selective recomputation never re-runs them.
     ep_bytes: sum over MoE layers and transfers of rows * D * 2 bytes * (ep - 1) / ep (the part leaving the rank).
     etp_bytes: the all-gather / reduce-scatter over etp of the received rows: rows * D * 2 bytes * (etp - 1).
     """
@@ -108,7 +113,7 @@ class LayoutPlan:
     precision: str
     seq_len: int
     micro_batch: int
-    activation_checkpointing: str
+    activation_checkpointing: str  # "none", "full" or the recomputed kinds, comma-separated
     rows: list[LayoutRow] = field(default_factory=list)
     a2a: Optional[AllToAllPlan] = None
 
@@ -189,7 +194,7 @@ def alltoall_volume(
     dims: ParallelDims,
     seq_len: int,
     micro_batch: int = 1,
-    activation_checkpointing: str = "none",
+    activation_checkpointing: "str | list[str]" = "none",
     act_bytes: int = ACT_BYTES,
 ) -> AllToAllPlan:
     """Bytes one GPU sends through the all-to-all dispatcher for one micro-batch, forward and backward.
@@ -201,8 +206,7 @@ def alltoall_volume(
     etp > 1 the received rows (as many as were sent, balanced) are all-gathered over etp in dispatch and
     reduce-scattered in combine: (etp - 1) * rows * D * act_bytes per transfer.
     """
-    if activation_checkpointing not in AC_MODES:
-        raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {activation_checkpointing!r}")
+    kinds = parse_activation_checkpointing(activation_checkpointing)
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch must be a positive int (sequences per data-parallel rank), got {micro_batch!r}")
     tokens = micro_batch * seq_len
@@ -217,7 +221,7 @@ def alltoall_volume(
     if m.num_experts and m.capacity_factor is not None:
         cap_rows = m.num_experts * int(math.ceil(m.capacity_factor * T * m.top_k / m.num_experts))  # as the router
         rows = cap_rows if m.pad_to_capacity else min(rows, cap_rows)
-    transfers = 2 * (3 if activation_checkpointing == "full" else 2)
+    transfers = 2 * (3 if "full" in kinds else 2)  # selective kinds hold no collective
     per_transfer = rows * D * act_bytes
     ep_bytes = transfers * L * per_transfer * (dims.ep - 1) // dims.ep
     etp_bytes = transfers * L * per_transfer * (dims.etp - 1)
@@ -230,7 +234,7 @@ def layout_plan(
     precision: str = "bf16-mixed",
     seq_len: Optional[int] = None,
     micro_batch: int = 1,
-    activation_checkpointing: str = "none",
+    activation_checkpointing: "str | list[str]" = "none",
 ) -> LayoutPlan:
     """Validate ``dims`` against the model and ``seq_len`` (ValueError naming the fix), then the per-GPU bytes of
     every component and the all-to-all volume. ``seq_len`` None = ``min(4096, config.max_seq_len)``."""
@@ -240,8 +244,9 @@ def layout_plan(
     if seq_len > config.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={config.max_seq_len}: lower seq_len")
     dims.validate(config, seq_len)
+    ac = format_activation_checkpointing(parse_activation_checkpointing(activation_checkpointing))
     return LayoutPlan(
-        dims, precision, seq_len, micro_batch, activation_checkpointing,
+        dims, precision, seq_len, micro_batch, ac,
         rows=layout_rows(config, dims, precision),
         a2a=alltoall_volume(config, dims, seq_len, micro_batch, activation_checkpointing),
     )
@@ -341,8 +346,8 @@ def format_layout_plan(name: str, config: ModelConfig, plan: LayoutPlan) -> str:
     if a.num_moe_layers == 0 or (d.ep == 1 and d.etp == 1):
         lines.append("all-to-all: none (ep=1 and etp=1: every rank computes all experts locally)")
     else:
-        passes = "forward, recomputed forward (activation_checkpointing=full), backward" if ac == "full" else (
-            "forward, backward")
+        passes = "forward, recomputed forward (activation_checkpointing=full), backward" if "full" in ac.split(",") else (
+            "forward, backward" + ("" if ac == "none" else f"; recomputing {ac} re-runs no all-to-all"))
         lines.append(
             f"all-to-all per GPU per micro-batch (alltoall dispatcher): {_fmt_bytes(a.total_bytes)} sent "
             f"= {_fmt_bytes(a.ep_bytes)} over ep" + (f" + {_fmt_bytes(a.etp_bytes)} over etp" if d.etp > 1 else "")

@@ -301,12 +301,12 @@ class MLAttention(nn.Module):
         if cache is not None:
             return self._forward_cached(x_BSD, positions_S, mask, cache)
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD) if self.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
-        q_BSHK = q.view(B, S, -1, self.nope + self.rope_dim)
-        q_nope, q_pe = q_BSHK.split([self.nope, self.rope_dim], dim=-1)
         kv = self.wkv_a(x_BSD)
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_BSHK = self.wkv_b(self.kv_norm(c_kv)).view(B, S, -1, self.nope + self.v_dim)
+        q, kv_up = self.up_proj(x_BSD if self.q_lora_rank is None else self.wq_a(x_BSD), c_kv)
+        q_BSHK = q.view(B, S, -1, self.nope + self.rope_dim)
+        q_nope, q_pe = q_BSHK.split([self.nope, self.rope_dim], dim=-1)
+        kv_BSHK = kv_up.view(B, S, -1, self.nope + self.v_dim)
         k_nope, v = kv_BSHK.split([self.nope, self.v_dim], dim=-1)
         cos, sin = self.rope(positions_S)
         q_pe = apply_rope(q_pe, cos, sin)
@@ -317,6 +317,12 @@ class MLAttention(nn.Module):
             q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v.transpose(1, 2), mask, self.scale, positions_S
         )
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
+
+    def up_proj(self, q_in: Tensor, c_kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries and per-head keys/values from the compressed latents (``q_in``: the q latent, or x without q
+        compression): the seam ``activation_checkpointing=[mla_up_proj]`` recomputes."""
+        q = self.wq(q_in) if self.q_lora_rank is None else self.wq_b(self.q_norm(q_in))
+        return q, self.wkv_b(self.kv_norm(c_kv))
 
     def _forward_cached(self, x_BSD: Tensor, positions_BS: Tensor, mask: Tensor, cache: LayerKVCache) -> Tensor:
         """Decoding with a latent cache (normalised c_kv [B, L, R] and roped k_pe [B, L, P]). ``wkv_b`` is absorbed:

@@ -167,8 +167,12 @@ class GroupedExperts(nn.Module):
         # w[E, N, K].transpose(-2, -1) is the column-major [E, K, N] operand: x @ w[e].T, no copy
         g_RF = contiguous_grad_(gmm(x, w1.transpose(-2, -1), offs_e))
         u_RF = contiguous_grad_(gmm(x, w3.transpose(-2, -1), offs_e))
-        h_RF = F.silu(g_RF) * u_RF
-        return contiguous_grad_(gmm(h_RF, w2.transpose(-2, -1), offs_e))
+        return contiguous_grad_(self.act_down(g_RF, u_RF, w2.transpose(-2, -1), offs_e))
+
+    def act_down(self, g_RF: Tensor, u_RF: Tensor, w2_EFD: Tensor, offs_e: Tensor) -> Tensor:
+        """SwiGLU and the down projection: the seam ``activation_checkpointing=[moe_act]`` recomputes (then neither
+        silu(g) nor h is kept for the backward; see :mod:`lightning_moe.parallel.recompute`)."""
+        return self._grouped_mm(F.silu(g_RF) * u_RF, w2_EFD, offs_e)
 
     def forward_loop(self, x_RD: Tensor, counts_e: Tensor) -> Tensor:
         """Reference: a Python loop over local experts with plain matmuls (one host sync for the counts)."""

@@ -164,8 +164,12 @@ class AllGatherKVAttention:
             k_pos = wait(all_gather(q_pos.contiguous(), 0, self.cp_group))
         else:
             k_BHLK, v_BHLK, k_pos = k_BHSK, v_BHSK, q_pos
-        causal_SL = q_pos[:, None] >= k_pos[None, :]
-        kwargs = {}
-        if k_BHLK.shape[1] != q_BHSK.shape[1]:
-            kwargs["enable_gqa"] = True
+        return self.kernel(q_BHSK, k_BHLK, v_BHLK, q_pos[:, None] >= k_pos[None, :], scale)
+
+    def kernel(self, q_BHSK: Tensor, k_BHLK: Tensor, v_BHLK: Tensor, causal_SL: Tensor,
+               scale: Optional[float]) -> Tensor:
+        """The local attention after the gathers: the collective-free part ``activation_checkpointing=[attn_core]``
+        recomputes (the gathered K/V are kept, never gathered again)."""
+        gqa = k_BHLK.shape[1] != q_BHSK.shape[1]
+        kwargs = {"enable_gqa": True} if gqa else {}
         return F.scaled_dot_product_attention(q_BHSK, k_BHLK, v_BHLK, attn_mask=causal_SL, scale=scale, **kwargs)

@@ -13,15 +13,18 @@ bytes from them, so the two cannot drift apart. Pure Python: no process group, n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_moe.parallel.dims import ParallelDims
 
-__all__ = ["AC_MODES", "DISPATCHERS", "TP_COLWISE", "TP_ROWWISE", "TP_MODEL", "EXPERT_WEIGHTS", "block_relative",
+__all__ = ["AC_MODES", "RECOMPUTE_KINDS", "DISPATCHERS", "TP_COLWISE", "TP_ROWWISE", "TP_MODEL", "EXPERT_WEIGHTS",
+           "block_relative", "parse_activation_checkpointing", "format_activation_checkpointing",
            "split_factors"]
 
 AC_MODES = ("none", "full")
+# module kinds ``activation_checkpointing`` may list (Megatron's --recompute-modules); none of them holds a collective
+RECOMPUTE_KINDS = ("norm", "attn_core", "moe_act", "experts", "shared_experts", "mla_up_proj")
 DISPATCHERS = ("alltoall", "allgather")
 # block-relative module names split by tensor parallelism
 TP_COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
@@ -48,3 +51,33 @@ def split_factors(fqn: str, dims: "ParallelDims") -> dict[str, int]:
     if module in TP_COLWISE + TP_ROWWISE or (module == rel.split(".")[0] and module in TP_MODEL):
         factors = {"tp": dims.tp, **factors}
     return factors
+
+
+def parse_activation_checkpointing(value: "str | Sequence[str] | None") -> tuple[str, ...]:
+    """``"none"`` -> ``()``; ``"full"`` -> ``("full",)``; a list of kinds (a YAML list, or a comma-separated string,
+    brackets optional: ``"[norm, moe_act]"``) -> the kinds in :data:`RECOMPUTE_KINDS` order. ``"full"`` may be
+    combined with kinds (nested recomputation). ValueError for unknown kinds or ``"none"`` among others."""
+    valid = AC_MODES + RECOMPUTE_KINDS
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        return ()  # the parsed form of "none"
+    if isinstance(value, str):
+        items = [s.strip().strip("'\"") for s in value.strip().removeprefix("[").removesuffix("]").split(",")]
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        items = [v.strip() for v in value]
+    else:
+        raise ValueError(f"activation_checkpointing must be a string or a list of strings among {valid}, got {value!r}")
+    items = [s for s in items if s]
+    bad = [s for s in items if s not in valid]
+    if bad or not items:
+        raise ValueError(f"activation_checkpointing: unknown {bad or value!r}; valid: 'none', 'full' or a list of "
+                         f"{RECOMPUTE_KINDS} (optionally with 'full')")
+    if "none" in items:
+        if len(set(items)) > 1:
+            raise ValueError(f"activation_checkpointing: 'none' cannot be combined with other kinds, got {value!r}")
+        return ()
+    return tuple(k for k in ("full",) + RECOMPUTE_KINDS if k in items)
+
+
+def format_activation_checkpointing(kinds: Sequence[str]) -> str:
+    """The inverse of :func:`parse_activation_checkpointing` for display: ``none``, ``full``, ``norm,moe_act``."""
+    return ",".join(kinds) if kinds else "none"

@@ -2,7 +2,7 @@
 
 ``parallelize`` applies, in order: tensor parallelism with sequence parallel (``apply_tp``), context parallelism
 (``apply_cp``), expert parallelism and expert tensor parallelism (``apply_ep``), the router's reduction groups
-(``apply_router_groups``), activation checkpointing (``apply_ac``) and FSDP2 on the dense and expert meshes
+(``apply_router_groups``), activation checkpointing of whole blocks or selected regions (``apply_ac``), regional torch.compile (``apply_compile``) and FSDP2 on the dense and expert meshes
 (``apply_fsdp``, last). Each is a small free function with explicit mesh arguments. Works on a meta-device model:
 the caller materialises (``to_empty``) and initialises afterwards.
 
@@ -25,7 +25,8 @@ from lightning_moe.models.transformer import Attention, MoETransformer
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.layout import AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE
+from lightning_moe.parallel.layout import AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE, parse_activation_checkpointing
+from lightning_moe.parallel.recompute import apply_recompute
 
 
 
@@ -141,12 +142,13 @@ def apply_router_groups(model: MoETransformer, dims: ParallelDims) -> None:
         layer.router.num_data_shards = dims.num_data_shards
 
 
-def apply_ac(model: MoETransformer, mode: str = "full") -> None:
-    """Activation checkpointing of whole transformer blocks (state-dict keys unchanged: the wrapper strips its
-    prefix)."""
-    if mode not in AC_MODES:
-        raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {mode!r}")
-    if mode == "none":
+def apply_ac(model: MoETransformer, mode: Union[str, Sequence[str]] = "full") -> None:
+    """Activation checkpointing: ``"full"`` wraps whole transformer blocks (state-dict keys unchanged: the wrapper
+    strips its prefix); a list of kinds recomputes only those collective-free regions
+    (:mod:`lightning_moe.parallel.recompute`); both may be combined. ValueError for unknown kinds."""
+    kinds = parse_activation_checkpointing(mode)
+    apply_recompute(model, [k for k in kinds if k != "full"])
+    if "full" not in kinds:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -218,7 +220,7 @@ def parallelize(
     dims: ParallelDims,
     *,
     dispatcher: str = "alltoall",
-    activation_checkpointing: str = "none",
+    activation_checkpointing: Union[str, Sequence[str]] = "none",
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,

@@ -43,7 +43,8 @@ from lightning_moe.checkpointing import check_shapes, is_by_name, regroup
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.finalize import StepResult, finalize_module_step, finalizing_closure
 from lightning_moe.parallel.compile import resolve_compile
-from lightning_moe.parallel.parallelize import AC_MODES, DISPATCHERS, parallelize
+from lightning_moe.parallel.layout import parse_activation_checkpointing
+from lightning_moe.parallel.parallelize import DISPATCHERS, parallelize
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -75,7 +76,10 @@ class MoEParallelStrategy(ParallelStrategy):
         dispatcher: ``"alltoall"`` or ``"allgather"`` token dispatch over ep.
         reshard_after_forward: FSDP2 option.
         param_dtype, reduce_dtype: FSDP2 mixed precision (``"bf16"``, ``"fp32"``; None = the parameter dtype).
-        activation_checkpointing: ``"none"`` or ``"full"`` (whole blocks).
+        activation_checkpointing: ``"none"``, ``"full"`` (whole blocks) or a list of module kinds to recompute
+            (``[norm, moe_act]``; a comma-separated string works too): ``norm``, ``attn_core``, ``moe_act``,
+            ``experts``, ``shared_experts``, ``mla_up_proj``, optionally with ``full``. Communication is never
+            recomputed (see :mod:`lightning_moe.parallel.recompute`).
         compile: regional ``torch.compile`` (:mod:`lightning_moe.parallel.compile`): True for every region, or a
             list of ``"norm"``, ``"attention"``, ``"router"``, ``"mlp"``; the routed experts and the dispatch stay
             eager. Off by default (compilation takes a minute at the start of a run).
@@ -101,7 +105,7 @@ class MoEParallelStrategy(ParallelStrategy):
         reshard_after_forward: bool = True,
         param_dtype: Optional[str] = None,
         reduce_dtype: Optional[str] = None,
-        activation_checkpointing: str = "none",
+        activation_checkpointing: Union[str, list[str]] = "none",
         compile: Union[bool, str, list[str]] = False,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
@@ -113,8 +117,7 @@ class MoEParallelStrategy(ParallelStrategy):
         super().__init__(**strategy_kwargs)
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
-        if activation_checkpointing not in AC_MODES:
-            raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {activation_checkpointing!r}")
+        ac_kinds = parse_activation_checkpointing(activation_checkpointing)  # ValueError naming the valid kinds
         self._sizes = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp)
         for name, v in self._sizes.items():
             if name == "dp_shard" and v in ("auto", -1):
@@ -125,7 +128,7 @@ class MoEParallelStrategy(ParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._param_dtype = _dtype(param_dtype, "param_dtype")
         self._reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
-        self._activation_checkpointing = activation_checkpointing
+        self._activation_checkpointing = ac_kinds
         self._compile = resolve_compile(compile)
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._async_save = async_save

@@ -1,0 +1,140 @@
+"""Selective recomputation (activation_checkpointing=[kinds]) and ActivationOffload: gradients identical to the plain
+run, in one process and under W=2 ep=2 (FSDP2 over 2 ranks, experts split over ep); routing statistics counted once;
+bad settings raise ValueError."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from _memory import assert_same, gqa_config, mla_config, reference_model, step, tokens
+from lightning_moe.callbacks import ActivationOffload
+from lightning_moe.parallel.layout import RECOMPUTE_KINDS, parse_activation_checkpointing
+from lightning_moe.parallel.parallelize import apply_ac
+
+COMPOSED = ["norm", "moe_act", "attn_core"]
+VARIANTS = [[k] for k in RECOMPUTE_KINDS] + [["full"], ["full", *COMPOSED], list(RECOMPUTE_KINDS)]
+
+
+def _run(cfg, kinds, offload=None, ids=None, steps=1):
+    model = copy.deepcopy(reference_model(cfg))
+    if offload is not None:
+        ActivationOffload(offload, min_bytes=0).transform_model(model)  # a model transform: before parallelize
+    apply_ac(model, kinds)
+    return step(model, tokens(cfg) if ids is None else ids, steps=steps)
+
+
+@pytest.mark.parametrize("cfg_fn", [gqa_config, mla_config], ids=["gqa", "mla"])
+def test_each_recompute_kind_gives_identical_gradients(cfg_fn):
+    cfg = cfg_fn()
+    base = _run(cfg, "none")
+    for kinds in VARIANTS:
+        assert_same(_run(cfg, kinds), base)
+
+
+def test_recompute_keeps_state_dict_keys_and_wraps_seams():
+    cfg = mla_config()
+    plain, model = reference_model(cfg), reference_model(cfg)
+    apply_ac(model, list(RECOMPUTE_KINDS))
+    assert list(model.state_dict()) == list(plain.state_dict())
+    blk = model.layers["1"]
+    for fn in (blk.attention_norm.forward, blk.attention.core_attention, blk.attention.up_proj,
+               blk.moe.experts.forward, blk.moe.experts.act_down, blk.moe.shared_experts.forward):
+        assert type(fn).__name__ == "Recomputed"
+
+
+def test_routing_statistics_and_losses_counted_once_under_recomputation():
+    cfg = gqa_config()
+    ids = tokens(cfg)
+    base = _run(cfg, "none", ids=ids, steps=2)
+    for kinds in (["full", *RECOMPUTE_KINDS], ["experts", "moe_act"]):
+        got = _run(cfg, kinds, offload=["moe"], ids=ids, steps=2)
+        assert_same(got, base)
+        for st in got["stats"]:  # dropless: k assignments per token, two forwards
+            assert int(st.tokens_per_expert.sum()) == 2 * cfg.moe.top_k * ids.numel()
+            assert int(st.num_tokens) == 2 * ids.numel()
+
+
+@pytest.mark.parametrize("value", ["bogus", ["norm", "attention"], ["none", "norm"], "", 3])
+def test_invalid_activation_checkpointing_raises(value):
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        parse_activation_checkpointing(value)
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        apply_ac(reference_model(gqa_config()), value)
+
+
+def test_strategy_and_cli_forms_of_the_kinds():
+    from lightning_moe import MoEParallelStrategy
+
+    assert parse_activation_checkpointing("[norm, moe_act]") == ("norm", "moe_act")
+    assert parse_activation_checkpointing("moe_act,norm") == ("norm", "moe_act")
+    assert parse_activation_checkpointing(["experts", "full"]) == ("full", "experts")
+    assert parse_activation_checkpointing("none") == () == parse_activation_checkpointing([])
+    assert MoEParallelStrategy(activation_checkpointing=["norm", "moe_act"])._activation_checkpointing == (
+        "norm", "moe_act")
+    with pytest.raises(ValueError, match="valid"):
+        MoEParallelStrategy(activation_checkpointing=["norm", "moe_ac"])
+
+
+# ---- W=2, ep=2 (dp_shard=2: FSDP2 on the dense mesh; experts Shard(0) over ep) --------------------------------
+def _ep2_worker(rank: int, world_size: int) -> str:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from lightning_moe.build import build_model
+    from lightning_moe.parallel import ParallelDims, parallelize
+
+    torch.manual_seed(0)
+    dims = ParallelDims(world_size=world_size, ep=2).build_meshes("cpu")
+    for cfg in (gqa_config(), mla_config()):
+        weights = reference_model(cfg).state_dict()
+        ids = tokens(cfg, seed=100 + rank)  # each data rank its own tokens
+
+        def run(kinds, offload=None):
+            def load(model):
+                set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))
+                model.reset_buffers()
+
+            transforms = [ActivationOffload(offload, min_bytes=0).transform_model] if offload else []
+            model = build_model(cfg, transforms=transforms, initialize=load,
+                                parallelize=lambda m: (parallelize(m, dims, activation_checkpointing=kinds), m)[1])
+            return step(model, ids)
+
+        base = run("none")
+        for kinds, offload in [*[(k, None) for k in VARIANTS], ("none", ["moe", "attention"]),
+                               (COMPOSED, ["moe", "attention"]), (["full"], ["experts"])]:
+            try:
+                assert_same(run(kinds, offload), base)
+            except Exception as e:
+                raise AssertionError(f"{cfg.attention} {kinds} offload={offload}: {str(e)[:300]}") from e
+    return "ok"
+
+
+def test_recompute_and_offload_identical_under_ep2():
+    assert run_distributed(_ep2_worker, 2) == "ok"
+
+
+def test_plan_accepts_lists_of_kinds(tmp_path, capsys):
+    import yaml
+
+    from lightning_moe.cli import plan_main
+    from lightning_moe.parallel.dims import ParallelDims
+    from lightning_moe.plan import layout_plan
+
+    cfg = gqa_config()
+    dims = ParallelDims(world_size=2, ep=2)
+    full = layout_plan(cfg, dims, "bf16-true", 16, 1, "full")
+    sel = layout_plan(cfg, dims, "bf16-true", 16, 1, ["moe_act", "norm"])
+    assert (full.a2a.transfers, sel.a2a.transfers) == (6, 4)  # selective kinds re-run no all-to-all
+    assert sel.activation_checkpointing == "norm,moe_act"
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"config": "tiny"}, "data": {"seq_len": 64, "batch_size": 2},
+        "trainer": {"devices": 2, "strategy": {"class_path": "lightning_moe.MoEParallelStrategy",
+                                               "init_args": {"ep": 2, "activation_checkpointing": ["norm", "moe_act"]}}}}))
+    assert plan_main(["--config", str(path)]) == 0
+    assert "recomputing norm,moe_act" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan_main(["--config", str(path), "--activation-checkpointing", "norm,bogus"])
