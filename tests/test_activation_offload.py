@@ -66,7 +66,11 @@ def test_trainer_applies_it_as_a_model_transform_with_selective_recompute():
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         strategy=MoEParallelStrategy(activation_checkpointing="norm,moe_act"), callbacks=[cb])
-    trainer.fit(model, datamodule=TextDataModule(seq_len=16, batch_size=2))
+    try:
+        trainer.fit(model, datamodule=TextDataModule(seq_len=16, batch_size=2))
+    finally:  # the strategy's one-process group must not leak into later tests
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     experts = model.model.moe_layers()[0].experts
     assert isinstance(experts.forward, ao._Scoped)
     assert type(experts.act_down).__name__ == "Recomputed"
