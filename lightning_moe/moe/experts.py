@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.autograd import contiguous_grad_
+from lightning_moe.moe.kernels import swiglu
 
 __all__ = ["GroupedExperts", "SharedExperts"]
 
@@ -167,7 +168,7 @@ class GroupedExperts(nn.Module):
         # w[E, N, K].transpose(-2, -1) is the column-major [E, K, N] operand: x @ w[e].T, no copy
         g_RF = contiguous_grad_(gmm(x, w1.transpose(-2, -1), offs_e))
         u_RF = contiguous_grad_(gmm(x, w3.transpose(-2, -1), offs_e))
-        h_RF = F.silu(g_RF) * u_RF
+        h_RF = swiglu(g_RF, u_RF)  # fused Triton kernel on CUDA (lightning_moe.moe.kernels)
         return contiguous_grad_(gmm(h_RF, w2.transpose(-2, -1), offs_e))
 
     def forward_loop(self, x_RD: Tensor, counts_e: Tensor) -> Tensor:
