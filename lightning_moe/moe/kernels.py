@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 __all__ = ["ENV_VAR", "backend", "use_triton", "k_sum", "gather_rows", "unpermute_backward", "swiglu"]
 
@@ -105,6 +106,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _c(t: Tensor) -> Tensor:
+    """A contiguous plain tensor for a kernel argument: functional collectives return AsyncCollectiveTensor
+    wrappers (no data pointer of their own) until waited on."""
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.wait()
+    return t.contiguous()
+
+
 # ---- row movement -------------------------------------------------------------------------------------------------
 
 
@@ -119,9 +128,9 @@ def k_sum(rows_RD: Tensor, pos_TK: Tensor, w_TK: Optional[Tensor] = None) -> Ten
     if rows_RD.shape[0] == 0:  # no rows: every pos is -1
         return out.zero_()
     block, warps = _row_block(D)
-    w = w_TK.contiguous() if w_TK is not None else pos_TK  # placeholder pointer, unread without HAS_W
+    w = _c(w_TK) if w_TK is not None else pos_TK  # placeholder pointer, unread without HAS_W
     _kernels().k_sum_kernel[(T, _cdiv(D, block))](
-        rows_RD.contiguous(), pos_TK.contiguous(), w, out, D, K=k, HAS_W=w_TK is not None, BLOCK_D=block,
+        _c(rows_RD), _c(pos_TK), w, out, D, K=k, HAS_W=w_TK is not None, BLOCK_D=block,
         num_warps=warps)
     return out
 
@@ -136,7 +145,7 @@ def gather_rows(x_TD: Tensor, asg_R: Tensor, k: int) -> Tensor:
         return out.zero_()
     block, warps = _row_block(D)
     _kernels().gather_rows_kernel[(R, _cdiv(D, block))](
-        x_TD.contiguous(), asg_R.contiguous(), out, D, K=k, BLOCK_D=block, num_warps=warps)
+        _c(x_TD), _c(asg_R), out, D, K=k, BLOCK_D=block, num_warps=warps)
     return out
 
 
@@ -157,7 +166,7 @@ def unpermute_backward(g_TD: Tensor, y_RD: Tensor, w_TK: Tensor, asg_R: Tensor, 
             block, warps = _row_block(D)
             dummy = asg_R  # placeholder pointer for an output not asked for
             _kernels().unpermute_bwd_kernel[(R,)](
-                g_TD.contiguous(), y_RD.contiguous(), w_TK.contiguous(), asg_R.contiguous(),
+                _c(g_TD), _c(y_RD), _c(w_TK), _c(asg_R),
                 grad_y if grad_y is not None else dummy, grad_w if grad_w is not None else dummy, D, K=k,
                 NEED_GY=need_grad_y, NEED_GW=need_grad_w, BLOCK_D=block, num_warps=warps)
     elif grad_y is not None:
@@ -174,7 +183,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: Tensor, u: Tensor) -> Tensor:
         dtype = torch.promote_types(g.dtype, u.dtype)
-        g, u = g.to(dtype).contiguous(), u.to(dtype).contiguous()
+        g, u = _c(g).to(dtype), _c(u).to(dtype)
         ctx.save_for_backward(g, u)
         h = torch.empty_like(g)
         _elementwise(_kernels().swiglu_fwd_kernel, g, u, h)
@@ -184,7 +193,7 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, dh: Tensor):
         g, u = ctx.saved_tensors
         dg, du = torch.empty_like(g), torch.empty_like(u)
-        _elementwise(_kernels().swiglu_bwd_kernel, g, u, dh.to(g.dtype).contiguous(), dg, du)
+        _elementwise(_kernels().swiglu_bwd_kernel, g, u, _c(dh).to(g.dtype), dg, du)
         return dg, du
 
 
