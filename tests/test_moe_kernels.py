@@ -142,6 +142,7 @@ def test_combine_fp32(triton_kernels, monkeypatch, T, k, D, n_drop, n_pad):
     g = torch.randn(T, D)
     y1, w1 = _leaves(y, w)
     out = _unpermute(y1, w1, pos, asg)
+    assert out.grad_fn.fused  # the autograd node is the function's ctx
     out.backward(g)
     y2, w2 = _leaves(y.double(), w.double())
     ref = _combine_ref(y2, w2, pos)
@@ -195,6 +196,7 @@ def test_permute(triton_kernels, T, k, D, n_drop, n_pad, dtype):
     g = torch.randn(asg.shape[0], D).to(dtype)
     (x1,) = _leaves(x)
     rows = _permute(x1, pos, asg)
+    assert rows.grad_fn.fused
     rows.backward(g)
     (x2,) = _leaves(x.double())
     ref = _permute_ref(x2, asg, k)
@@ -245,6 +247,14 @@ def test_layer_triton_matches_torch(monkeypatch, cfg):
         for p in layer.parameters():
             p.normal_(0.0, 0.3)
     x = torch.randn(2, 9, D)
+    mod, used = kernels._kernels(), set()
+
+    class Spy:  # records which kernels the layer launches
+        def __getattr__(self, name):
+            used.add(name)
+            return getattr(mod, name)
+
+    monkeypatch.setattr(kernels, "_kernels", Spy)
     results = {}
     for name in ("torch", "triton"):
         monkeypatch.setenv(kernels.ENV_VAR, name)
@@ -253,5 +263,7 @@ def test_layer_triton_matches_torch(monkeypatch, cfg):
         y = layer(xi)
         (y.square().sum() + layer.last_aux_loss).backward()
         results[name] = [y, xi.grad] + [p.grad.clone() for p in layer.parameters()]
+    assert used - {"INTERPRET"} == {"k_sum_kernel", "gather_rows_kernel", "unpermute_bwd_kernel", "swiglu_fwd_kernel",
+                    "swiglu_bwd_kernel"}
     for a, b in zip(results["triton"], results["torch"]):
         _assert_close_to_scale(a, b, 1e-6)
