@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from lightning_moe.moe import kernels
 from lightning_moe.moe.router import RoutingResult
 from lightning_moe.collectives import all_gather_autograd, all_gather_into, reduce_scatter_autograd
 
@@ -82,6 +83,8 @@ class TokenDispatcher:
 # both maps, ``pos_TK`` (row of every assignment) and ``asg_R`` (assignment of every row), and only ever gather:
 # token-side sums are a gather of [T, k, D] and a k-sum (a bmm with the weights), row-side results a gather by
 # token (and a row scale). Tested against the reference in tests/test_dispatcher.py.
+# With the Triton kernels (lightning_moe.moe.kernels, on CUDA by default) the same two autograd functions run fused
+# gathers: no [T, k, D] copy, the k-sums in fp32, and the unpermute backward in one pass over the rows.
 
 
 def _gather_tokens(rows_RD: Tensor, pos_TK: Tensor) -> Tensor:
@@ -118,13 +121,18 @@ class _PermuteRows(torch.autograd.Function):
     def forward(ctx, x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, has_dropped: bool, rows_covered: bool) -> Tensor:
         ctx.save_for_backward(pos_TK)
         ctx.has_dropped = has_dropped
+        ctx.fused = kernels.use_triton(x_TD)
         T, k = pos_TK.shape
+        if ctx.fused:
+            return kernels.gather_rows(x_TD, asg_R, k)
         tok_R = _rows_to_tokens(asg_R, k, rows_covered, T)
         return _with_zero_row(x_TD, rows_covered).index_select(0, tok_R)
 
     @staticmethod
     def backward(ctx, g_RD: Tensor):
         (pos_TK,) = ctx.saved_tensors
+        if ctx.fused:
+            return kernels.k_sum(g_RD, pos_TK), None, None, None, None
         mask = (pos_TK >= 0).to(g_RD.dtype) if ctx.has_dropped else None
         return _weighted_k_sum(g_RD.contiguous(), pos_TK, mask), None, None, None, None
 
@@ -138,6 +146,10 @@ class _UnpermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RD: Tensor, probs_TK: Tensor, pos_TK: Tensor, asg_R: Tensor, has_dropped: bool,
                 rows_covered: bool) -> Tensor:
+        ctx.fused = kernels.use_triton(y_RD)
+        if ctx.fused:  # rows only hold kept assignments: no masking of the weights needed
+            ctx.save_for_backward(y_RD, probs_TK, asg_R)
+            return kernels.k_sum(y_RD, pos_TK, probs_TK)
         w_TK = torch.where(pos_TK >= 0, probs_TK, torch.zeros_like(probs_TK)) if has_dropped else probs_TK
         ctx.save_for_backward(y_RD, w_TK, asg_R)
         ctx.flags = (rows_covered, probs_TK.dtype)
@@ -146,6 +158,9 @@ class _UnpermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_TD: Tensor):
         y_RD, w_TK, asg_R = ctx.saved_tensors
+        if ctx.fused:
+            grad_y, grad_p = kernels.unpermute_backward(g_TD, y_RD, w_TK, asg_R, *ctx.needs_input_grad[:2])
+            return grad_y, grad_p, None, None, None, None
         rows_covered, probs_dtype = ctx.flags
         T, k = w_TK.shape
         R = y_RD.shape[0]

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.autograd import contiguous_grad_
+from lightning_moe.moe.kernels import swiglu
 
 __all__ = ["GroupedExperts", "SharedExperts"]
 
@@ -172,7 +173,8 @@ class GroupedExperts(nn.Module):
     def act_down(self, g_RF: Tensor, u_RF: Tensor, w2_EFD: Tensor, offs_e: Tensor) -> Tensor:
         """SwiGLU and the down projection: the seam ``activation_checkpointing=[moe_act]`` recomputes (then neither
         silu(g) nor h is kept for the backward; see :mod:`lightning_moe.parallel.recompute`)."""
-        return self._grouped_mm(F.silu(g_RF) * u_RF, w2_EFD, offs_e)
+        # SwiGLU: a fused Triton kernel on CUDA (lightning_moe.moe.kernels), the torch reference elsewhere
+        return self._grouped_mm(swiglu(g_RF, u_RF), w2_EFD, offs_e)
 
     def forward_loop(self, x_RD: Tensor, counts_e: Tensor) -> Tensor:
         """Reference: a Python loop over local experts with plain matmuls (one host sync for the counts)."""

@@ -1,0 +1,279 @@
+#!/usr/bin/env python
+"""Fused MoE kernels (lightning_moe.moe.kernels) against the PyTorch reference path: correctness and speed.
+
+For each shape (Qwen3-30B-A3B: T 16384, k 8, D 2048, F 768, E 128; DeepSeek-V3: T 8192, k 8, D 7168, F 2048,
+E 256), bf16 activations, fp32 combine weights, routing = random top-k of softmax scores:
+
+* combine (``_UnpermuteRows``: forward, and backward to y and the weights), permute (``_PermuteRows``: the gather,
+  and its backward k-sum), SwiGLU on the [R, F] grouped-GEMM output (forward, backward to g and u). Each runs under
+  ``LIGHTNING_MOE_KERNELS=torch`` and ``=triton``; both are compared with an fp32 computation on the same bf16
+  inputs (max abs error relative to the largest reference value). "ok" = the kernel is within
+  max(1.05 x the torch path's error, 2**-8) (bf16 rounding: 2**-8 relative; the kernel rounds once; 2**-7 under
+  the CPU interpreter, which rounds fp32 -> bf16 towards zero).
+* timings: CUDA events, median of ``--iters`` after ``--warmup`` calls, forward and backward separately.
+* the MoELayer forward+backward at the Qwen3 shape (learned routing as initialised), kernels off vs on (outputs and
+  gradients compared), and the bare grouped GEMMs of the same routed rows (3 forward, 6 backward GEMMs) for the
+  ratio the performance issue tracks.
+
+Run (repository root):
+    python bench/kernels_check.py                          # one GPU, well under 2 minutes
+    python bench/kernels_check.py --device cpu --small     # smoke test (Triton's interpreter, seconds)
+Options: --json PATH writes the rows; --shapes qwen3,deepseek; --no-layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+
+def _args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--shapes", default="qwen3,deepseek")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-layer", action="store_true")
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+ARGS = _args()
+if ARGS.device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (lightning_moe imports it lazily)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from lightning_moe.config import MoEConfig  # noqa: E402
+from lightning_moe.moe import kernels  # noqa: E402
+from lightning_moe.moe.dispatcher import LocalDispatcher, _PermuteRows, _UnpermuteRows  # noqa: E402
+from lightning_moe.moe.layer import MoELayer  # noqa: E402
+from lightning_moe.moe.router import RoutingResult  # noqa: E402
+
+# name: (T, k, D, F, E)
+SHAPES = {
+    "qwen3": (16384, 8, 2048, 768, 128),
+    "deepseek": (8192, 8, 7168, 2048, 256),
+}
+SMALL = {
+    "qwen3": (48, 4, 72, 40, 8),
+    "deepseek": (20, 3, 136, 24, 6),
+}
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    old = os.environ.get(kernels.ENV_VAR)
+    os.environ[kernels.ENV_VAR] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(kernels.ENV_VAR, None)
+        else:
+            os.environ[kernels.ENV_VAR] = old
+
+
+def timed(fn, dev: torch.device) -> float:
+    """Median milliseconds of ``fn()`` over ARGS.iters calls after ARGS.warmup calls."""
+    for _ in range(ARGS.warmup):
+        fn()
+    times = []
+    for _ in range(ARGS.iters):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    return ((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
+
+
+def routing_maps(T, k, E, dev):
+    """pos_TK / asg_R / counts of a random top-k routing, from the local dispatcher itself."""
+    logits = torch.randn(T, E, device=dev)
+    probs, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    zero = torch.zeros((), device=dev)
+    routing = RoutingResult(probs / probs.sum(-1, keepdim=True), ids, torch.zeros(E, dtype=torch.long, device=dev),
+                            zero, zero)
+    x = torch.zeros(T, 1, device=dev)
+    _, counts, ctx = LocalDispatcher().dispatch(x, routing, E)
+    return routing.probs, ctx.pos_TK, ctx.asg_R, counts
+
+
+def check_op(rows, shape_name, op, run, inputs, dev):
+    """run(*inputs) -> output; grads of every input from a random output gradient. Compares torch and triton with
+    an fp32 run of the torch path, times forward and backward of both."""
+    leaves = lambda dtype=None: [t.detach().clone().to(dtype if (dtype and t.is_floating_point()) else t.dtype)
+                                 .requires_grad_(t.is_floating_point()) for t in inputs]
+    with backend("torch"):
+        ref_in = leaves(torch.float32)
+        ref_out = run(*ref_in)
+        g_out = torch.randn_like(ref_out).to(inputs[0].dtype)
+        ref_grads = torch.autograd.grad(ref_out, [t for t in ref_in if t.requires_grad], g_out.float())
+    res = {}
+    for name in ("torch", "triton"):
+        with backend(name):
+            xs = leaves()
+            diff = [t for t in xs if t.requires_grad]
+            out = run(*xs)
+            grads = torch.autograd.grad(out, diff, g_out, retain_graph=True)
+            errs = [rel_err(out, ref_out)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+            t_fwd = timed(lambda: run(*xs), dev)
+            t_bwd = timed(lambda: torch.autograd.grad(out, diff, g_out, retain_graph=True), dev)
+            res[name] = (errs, t_fwd, t_bwd)
+            del out, grads
+    labels = ["out"] + [f"grad{i}" for i in range(len(ref_grads))]
+    # Triton's interpreter rounds fp32 -> bf16 towards zero (a GPU to nearest): one ulp allowed there
+    floor = 2.0**-7 if dev.type == "cpu" else 2.0**-8
+    for i, label in enumerate(labels):
+        e_t, e_k = res["torch"][0][i], res["triton"][0][i]
+        ok = e_k <= max(1.05 * e_t, floor)
+        rows.append(dict(shape=shape_name, op=f"{op} {label}", err_torch=e_t, err_triton=e_k, ok=ok))
+    for phase, j in (("fwd", 1), ("bwd", 2)):
+        rows.append(dict(shape=shape_name, op=f"{op} {phase} time", torch_ms=res["torch"][j],
+                         triton_ms=res["triton"][j]))
+
+
+def check_shape(rows, name, dev):
+    T, k, D, Fh, E = (SMALL if ARGS.small else SHAPES)[name]
+    torch.manual_seed(0)
+    probs, pos, asg, _ = routing_maps(T, k, E, dev)
+    R = asg.shape[0]
+    bf = torch.bfloat16
+    flags = (bool((pos < 0).any()), bool((asg >= 0).all()))
+    y = torch.randn(R, D, device=dev, dtype=bf)
+    check_op(rows, name, "combine", lambda y_, p_: _UnpermuteRows.apply(y_, p_, pos, asg, *flags), [y, probs], dev)
+    x = torch.randn(T, D, device=dev, dtype=bf)
+    check_op(rows, name, "permute", lambda x_: _PermuteRows.apply(x_, asg, pos, *flags), [x], dev)
+    del y, x
+    g, u = (torch.randn(R, Fh, device=dev, dtype=bf) for _ in range(2))
+    check_op(rows, name, "swiglu", kernels.swiglu, [g, u], dev)
+
+
+def bare_grouped_gemm_ms(layer, x_RD, counts, dev) -> float:
+    """The routed experts' GEMMs alone: gate and up (forward), down on the gate output, and their backward."""
+    ex = layer.experts
+    w1, w2, w3 = (w.detach().to(x_RD.dtype).requires_grad_() for w in (ex.w1, ex.w2, ex.w3))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = x_RD.detach().requires_grad_()
+
+    def step():
+        gg = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        uu = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        yy = torch._grouped_mm(gg, w2.transpose(-2, -1), offs=offs)
+        torch.autograd.backward([yy, uu], [torch.ones_like(yy), torch.ones_like(uu)])
+        x.grad = w1.grad = w2.grad = w3.grad = None
+
+    return timed(step, dev)
+
+
+def check_layer(rows, dev):
+    T, k, D, Fh, E = (SMALL if ARGS.small else SHAPES)["qwen3"]
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(num_experts=E, top_k=k, expert_hidden_size=Fh, aux_loss_type="aux"), D).to(dev)
+    layer.experts.to(torch.bfloat16)
+    x = torch.randn(1, T, D, device=dev, dtype=torch.bfloat16)
+    gy = torch.randn_like(x)
+    res = {}
+    for name in ("torch", "triton"):
+        with backend(name):
+            xi = x.detach().clone().requires_grad_()
+
+            def step():
+                layer.zero_grad(set_to_none=True)
+                xi.grad = None
+                out = layer(xi)
+                torch.autograd.backward([out, layer.last_aux_loss], [gy, torch.ones_like(layer.last_aux_loss)])
+                return out
+
+            out = step()
+            res[name] = [out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
+            res[name + "_ms"] = timed(step, dev)
+    labels = ["out", "grad x"] + [f"grad {n}" for n, _ in layer.named_parameters()]
+    for label, a, b in zip(labels, res["triton"], res["torch"]):
+        e = rel_err(a, b)
+        rows.append(dict(shape="qwen3", op=f"layer {label} (triton vs torch)", err_triton=e, ok=e <= 2.0**-6))
+    with torch.no_grad():
+        routing = layer.router(x.view(T, D), None, seq_len=T)
+        x_RD, counts, _ = LocalDispatcher().dispatch(x.view(T, D), routing, E)
+    bare = bare_grouped_gemm_ms(layer, x_RD, counts, dev)
+    rows.append(dict(shape="qwen3", op="layer fwd+bwd time", torch_ms=res["torch_ms"], triton_ms=res["triton_ms"],
+                     bare_gemm_ms=bare))
+
+
+def main() -> int:
+    dev = torch.device(ARGS.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu --small")
+        return 2
+    if not kernels.triton_available():
+        print(f"triton does not import: {kernels._import_triton()[1]}")
+        return 2
+    rows: list[dict] = []
+    failures = []
+    t0 = time.perf_counter()
+    for name in ARGS.shapes.split(","):
+        try:
+            check_shape(rows, name, dev)
+        except Exception:  # report and go on
+            failures.append(f"{name}: {traceback.format_exc()}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if not ARGS.no_layer:
+        try:
+            check_layer(rows, dev)
+        except Exception:
+            failures.append(f"layer: {traceback.format_exc()}")
+
+    print(f"\n{'shape':9} {'check':44} {'err torch':>10} {'err triton':>10} {'ok':>3} {'torch ms':>9} "
+          f"{'triton ms':>9} {'speedup':>7}")
+    for r in rows:
+        err_t = f"{r['err_torch']:.2e}" if "err_torch" in r else ""
+        err_k = f"{r['err_triton']:.2e}" if "err_triton" in r else ""
+        ok = ("yes" if r["ok"] else "NO") if "ok" in r else ""
+        tt = f"{r['torch_ms']:.3f}" if "torch_ms" in r else ""
+        tk = f"{r['triton_ms']:.3f}" if "triton_ms" in r else ""
+        sp = f"{r['torch_ms'] / r['triton_ms']:.2f}x" if "torch_ms" in r and r["triton_ms"] > 0 else ""
+        print(f"{r['shape']:9} {r['op']:44} {err_t:>10} {err_k:>10} {ok:>3} {tt:>9} {tk:>9} {sp:>7}")
+        if "bare_gemm_ms" in r:
+            b = r["bare_gemm_ms"]
+            print(f"{'':9} bare grouped GEMMs {b:.3f} ms: layer/bare torch {r['torch_ms'] / b:.2f}x, "
+                  f"triton {r['triton_ms'] / b:.2f}x")
+    bad = [r for r in rows if r.get("ok") is False]
+    print(f"\n{len(rows)} rows, {len(bad)} failed checks, {len(failures)} errors, {time.perf_counter() - t0:.1f} s on "
+          f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu (Triton interpreter)'}, torch "
+          f"{torch.__version__}")
+    for f in failures:
+        print(f)
+    if ARGS.json:
+        Path(ARGS.json).write_text(json.dumps(dict(rows=rows, errors=failures, torch=torch.__version__), indent=1))
+    return 1 if bad or failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

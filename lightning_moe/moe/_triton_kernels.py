@@ -1,0 +1,106 @@
+"""Triton kernels of :mod:`lightning_moe.moe.kernels` (imported lazily by it: this module imports triton).
+
+Legend: T tokens, k top-k (``K``), D hidden, R rows grouped by expert, N elements. Every kernel does its math in
+fp32 and stores in the output tensor's dtype; row offsets are int64 (R * D may pass 2**31).
+
+A scalar condition is broadcast to a block before it joins a block mask (``_bcast``): Triton's interpreter rejects
+``block_mask & scalar_mask``; compiled code is the same either way.
+
+Whether triton's interpreter was on when this module was imported (``INTERPRET``) decides whether these kernels
+take CPU tensors: ``@triton.jit`` picks interpreted or compiled functions at decoration time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+try:
+    INTERPRET = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # triton without knobs
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _bcast(x, like):
+    return x + tl.zeros_like(like)
+
+
+@triton.jit
+def k_sum_kernel(rows_ptr, pos_ptr, w_ptr, out_ptr, D, K: tl.constexpr, HAS_W: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """out[t, d] = sum_j w[t, j] * rows[pos[t, j], d] over pos >= 0. Grid (T, cdiv(D, BLOCK_D))."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):  # unrolled: the k row loads are in flight together
+        p = tl.load(pos_ptr + t * K + j).to(tl.int64)
+        v = tl.load(rows_ptr + p * D + d, mask=dmask & (_bcast(p, d) >= 0), other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def gather_rows_kernel(x_ptr, asg_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[r, d] = x[asg[r] // K, d] (asg < 0: 0). Grid (R, cdiv(D, BLOCK_D))."""
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    a = tl.load(asg_ptr + r).to(tl.int64)
+    t = tl.maximum(a, 0) // K
+    v = tl.load(x_ptr + t * D + d, mask=dmask & (_bcast(a, d) >= 0), other=0.0)
+    tl.store(out_ptr + r * D + d, v.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def unpermute_bwd_kernel(g_ptr, y_ptr, w_ptr, asg_ptr, gy_ptr, gw_ptr, D, K: tl.constexpr, NEED_GY: tl.constexpr,
+                         NEED_GW: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row r per program, a = asg[r], t = a // K: gy[r] = w[a] * g[t] and gw[a] = <y[r], g[t]> (fp32);
+    padding rows (a < 0) get gy = 0 and write no gw. Grid (R,)."""
+    r = tl.program_id(0).to(tl.int64)
+    a = tl.load(asg_ptr + r).to(tl.int64)
+    valid = a >= 0
+    ac = tl.maximum(a, 0)
+    t = ac // K
+    w = tl.load(w_ptr + ac, mask=valid, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        g = tl.load(g_ptr + t * D + d, mask=dmask & (_bcast(a, d) >= 0), other=0.0).to(tl.float32)
+        if NEED_GY:
+            tl.store(gy_ptr + r * D + d, (g * w).to(gy_ptr.dtype.element_ty), mask=dmask)
+        if NEED_GW:
+            y = tl.load(y_ptr + r * D + d, mask=dmask, other=0.0).to(tl.float32)
+            acc += y * g
+    if NEED_GW:
+        tl.store(gw_ptr + ac, tl.sum(acc, axis=0), mask=valid)
+
+
+@triton.jit
+def swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, N, BLOCK: tl.constexpr):
+    """h = silu(g) * u elementwise. Grid (cdiv(N, BLOCK),)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def swiglu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, N, BLOCK: tl.constexpr):
+    """du = dh * silu(g), dg = dh * u * s * (1 + g * (1 - s)) with s = sigmoid(g) recomputed. Grid as forward."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    tl.store(du_ptr + offs, (dh * g * s).to(du_ptr.dtype.element_ty), mask=m)
+    tl.store(dg_ptr + offs, (dh * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,210 @@
+"""Fused kernels of the MoE layer's memory-bound steps (Triton), behind one switch; the PyTorch paths stay the reference.
+
+Legend: T tokens, k top-k, D hidden, R rows grouped by expert, F expert hidden size.
+
+Switch (DESIGN invariant 7): the environment variable ``LIGHTNING_MOE_KERNELS``, read at every forward (a
+backward follows its forward's choice):
+
+* ``auto`` (default): the Triton kernels for CUDA tensors when ``triton`` imports, the PyTorch reference for
+  everything else (CPU always runs the reference);
+* ``torch``: always the reference;
+* ``triton``: always the kernels; a clear error when ``triton`` does not import, and for CPU tensors unless
+  Triton's interpreter was on (``TRITON_INTERPRET=1`` set before the first kernel call: the tests run that way).
+
+What the kernels do (all math in fp32, results in the tensors' dtype; triton is imported on first use only):
+
+* :func:`k_sum` ``out[t] = sum_k w[t, k] * rows[pos[t, k]]`` over ``pos >= 0``: the combine (unpermute with the
+  router's fp32 weights: the k-sum in fp32, as torchtitan and Megatron do) and the permute backward (a token's
+  row gradients summed, ``w`` None). The reference gathers a [T, k, D] copy and sums it with bf16 weights.
+* :func:`gather_rows` ``rows[r] = x[asg[r] // k]`` (``asg < 0``: a zero row): the permute forward.
+* :func:`unpermute_backward` one pass over the rows: ``grad_y[r] = w(asg[r]) * g[token of r]`` and
+  ``grad_w(asg[r]) = <y[r], g[token of r]>`` (padding rows: zero gradient; assignments without a row: zero).
+* :func:`swiglu` ``silu(g) * u`` whose backward recomputes silu from the saved ``g`` and ``u`` (the reference
+  autograd graph keeps ``silu(g)`` as a third [R, F] tensor and runs five elementwise passes).
+
+The dispatchers (``_PermuteRows``, ``_UnpermuteRows``) and ``GroupedExperts`` call these through
+:func:`use_triton`; tests/test_moe_kernels.py checks every kernel against the reference (interpreter on CPU),
+bench/kernels_check.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+__all__ = ["ENV_VAR", "backend", "use_triton", "k_sum", "gather_rows", "unpermute_backward", "swiglu"]
+
+ENV_VAR = "LIGHTNING_MOE_KERNELS"
+_CHOICES = ("auto", "torch", "triton")
+
+
+def backend() -> str:
+    """The requested backend: ``auto`` (unset), ``torch`` or ``triton``."""
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(_CHOICES)}")
+    return choice
+
+
+@functools.lru_cache(maxsize=None)
+def _import_triton() -> tuple[Optional[ModuleType], Optional[str]]:
+    try:
+        from lightning_moe.moe import _triton_kernels
+    except ImportError as e:  # triton missing (or broken)
+        return None, f"{type(e).__name__}: {e}"
+    return _triton_kernels, None
+
+
+def triton_available() -> bool:
+    return _import_triton()[0] is not None
+
+
+def _kernels() -> ModuleType:
+    mod, err = _import_triton()
+    if mod is None:
+        raise RuntimeError(f"{ENV_VAR}=triton but triton does not import ({err}); install triton or set "
+                           f"{ENV_VAR}=torch")
+    return mod
+
+
+def use_triton(t: Tensor) -> bool:
+    """Whether the ops on ``t`` (and tensors on its device) run the Triton kernels."""
+    choice = backend()
+    if choice == "torch":
+        return False
+    if choice == "auto":
+        return t.is_cuda and triton_available()
+    mod = _kernels()
+    if not t.is_cuda and not (t.device.type == "cpu" and mod.INTERPRET):
+        raise RuntimeError(
+            f"{ENV_VAR}=triton: the Triton kernels take CUDA tensors (or CPU tensors under Triton's interpreter, "
+            f"TRITON_INTERPRET=1 set before the first kernel call), got a {t.device.type} tensor; set {ENV_VAR}=torch"
+        )
+    return True
+
+
+# ---- launch configuration (H200: memory-bound kernels, 16-byte vectors per thread) -------------------------------
+
+
+def _row_block(D: int, cap: int = 1024) -> tuple[int, int]:
+    """BLOCK_D (a power of two, at most ``cap``) and num_warps for row kernels: ~8 bf16 elements per thread."""
+    block = min(cap, max(16, 1 << (D - 1).bit_length()))
+    return block, max(1, min(8, block // 256))
+
+
+_EW_BLOCK, _EW_WARPS = 2048, 8  # elementwise kernels
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _c(t: Tensor) -> Tensor:
+    """A contiguous plain tensor for a kernel argument: functional collectives return AsyncCollectiveTensor
+    wrappers (no data pointer of their own) until waited on."""
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.wait()
+    return t.contiguous()
+
+
+# ---- row movement -------------------------------------------------------------------------------------------------
+
+
+def k_sum(rows_RD: Tensor, pos_TK: Tensor, w_TK: Optional[Tensor] = None) -> Tensor:
+    """``out[t] = sum_k w[t, k] * rows[pos[t, k]]`` over ``pos >= 0`` (``w`` None: 1), fp32 accumulation, [T, D] in
+    rows' dtype."""
+    T, k = pos_TK.shape
+    D = rows_RD.shape[1]
+    out = rows_RD.new_empty(T, D)
+    if T == 0 or D == 0:
+        return out
+    if rows_RD.shape[0] == 0:  # no rows: every pos is -1
+        return out.zero_()
+    block, warps = _row_block(D)
+    w = _c(w_TK) if w_TK is not None else pos_TK  # placeholder pointer, unread without HAS_W
+    _kernels().k_sum_kernel[(T, _cdiv(D, block))](
+        _c(rows_RD), _c(pos_TK), w, out, D, K=k, HAS_W=w_TK is not None, BLOCK_D=block,
+        num_warps=warps)
+    return out
+
+
+def gather_rows(x_TD: Tensor, asg_R: Tensor, k: int) -> Tensor:
+    """``rows[r] = x[asg[r] // k]``, a zero row where ``asg[r] < 0``: [R, D] in x's dtype."""
+    R, D = asg_R.shape[0], x_TD.shape[1]
+    out = x_TD.new_empty(R, D)
+    if R == 0 or D == 0:
+        return out
+    if x_TD.shape[0] == 0:  # no tokens: every row is padding
+        return out.zero_()
+    block, warps = _row_block(D)
+    _kernels().gather_rows_kernel[(R, _cdiv(D, block))](
+        _c(x_TD), _c(asg_R), out, D, K=k, BLOCK_D=block, num_warps=warps)
+    return out
+
+
+def unpermute_backward(g_TD: Tensor, y_RD: Tensor, w_TK: Tensor, asg_R: Tensor, need_grad_y: bool = True,
+                       need_grad_w: bool = True) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Gradients of ``out[t] = sum_k w[t, k] * y[pos[t, k]]`` from the row side, in one pass over the rows:
+    ``grad_y[r] = w(asg[r]) * g[asg[r] // k]`` ([R, D], y's dtype; zero for padding rows, asg -1) and
+    ``grad_w(asg[r]) = <y[r], g[asg[r] // k]>`` ([T, k], w's dtype, fp32 dot; zero for assignments without a row)."""
+    T, k = w_TK.shape
+    R, D = y_RD.shape
+    grad_y = y_RD.new_empty(R, D) if need_grad_y else None
+    grad_w = torch.zeros(T, k, dtype=torch.float32, device=y_RD.device) if need_grad_w else None
+    if R and D and (need_grad_y or need_grad_w):
+        if T == 0:  # every row is padding
+            if grad_y is not None:
+                grad_y.zero_()
+        else:
+            block, warps = _row_block(D)
+            dummy = asg_R  # placeholder pointer for an output not asked for
+            _kernels().unpermute_bwd_kernel[(R,)](
+                _c(g_TD), _c(y_RD), _c(w_TK), _c(asg_R),
+                grad_y if grad_y is not None else dummy, grad_w if grad_w is not None else dummy, D, K=k,
+                NEED_GY=need_grad_y, NEED_GW=need_grad_w, BLOCK_D=block, num_warps=warps)
+    elif grad_y is not None:
+        grad_y.zero_()
+    return grad_y, (grad_w.to(w_TK.dtype) if grad_w is not None else None)
+
+
+# ---- SwiGLU ---------------------------------------------------------------------------------------------------------
+
+
+class _SwiGLU(torch.autograd.Function):
+    """h = silu(g) * u with fp32 math; saves g and u, the backward recomputes silu (one pass, two outputs)."""
+
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor) -> Tensor:
+        dtype = torch.promote_types(g.dtype, u.dtype)
+        g, u = _c(g).to(dtype), _c(u).to(dtype)
+        ctx.save_for_backward(g, u)
+        h = torch.empty_like(g)
+        _elementwise(_kernels().swiglu_fwd_kernel, g, u, h)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        g, u = ctx.saved_tensors
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        _elementwise(_kernels().swiglu_bwd_kernel, g, u, _c(dh).to(g.dtype), dg, du)
+        return dg, du
+
+
+def _elementwise(kernel, *tensors: Tensor) -> None:
+    n = tensors[0].numel()
+    if n:
+        kernel[(_cdiv(n, _EW_BLOCK),)](*tensors, n, BLOCK=_EW_BLOCK, num_warps=_EW_WARPS)
+
+
+def swiglu(g: Tensor, u: Tensor) -> Tensor:
+    """``silu(g) * u`` (same shapes): the fused kernel when :func:`use_triton`, else the PyTorch expression."""
+    if use_triton(g):
+        return _SwiGLU.apply(g, u)
+    return F.silu(g) * u
