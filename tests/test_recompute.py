@@ -1,5 +1,5 @@
 """Selective recomputation (activation_checkpointing=[kinds]) and ActivationOffload: gradients identical to the plain
-run, in one process and under W=2 ep=2 (FSDP2 over 2 ranks, experts split over ep); routing statistics counted once;
+run, in one process, under W=2 ep=2 (FSDP2 over 2 ranks, experts split over ep) and W=2 tp=2 ep=2; routing statistics counted once;
 bad settings raise ValueError."""
 
 from __future__ import annotations
@@ -80,17 +80,18 @@ def test_strategy_and_cli_forms_of_the_kinds():
 
 
 # ---- W=2, ep=2 (dp_shard=2: FSDP2 on the dense mesh; experts Shard(0) over ep) --------------------------------
-def _ep2_worker(rank: int, world_size: int) -> str:
+def _ep2_worker(rank: int, world_size: int, tp: int = 1) -> str:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from lightning_moe.build import build_model
     from lightning_moe.parallel import ParallelDims, parallelize
 
     torch.manual_seed(0)
-    dims = ParallelDims(world_size=world_size, ep=2).build_meshes("cpu")
-    for cfg in (gqa_config(), mla_config()):
+    dims = ParallelDims(world_size=world_size, ep=2, tp=tp).build_meshes("cpu")
+    # tp with MLA is not supported (a ValueError): the tp run checks GQA attention with sequence parallel
+    for cfg in (gqa_config(), mla_config()) if tp == 1 else (gqa_config(),):
         weights = reference_model(cfg).state_dict()
-        ids = tokens(cfg, seed=100 + rank)  # each data rank its own tokens
+        ids = tokens(cfg, seed=100 + (rank if tp == 1 else 0))  # each data rank its own tokens; tp peers share them
 
         def run(kinds, offload=None):
             def load(model):
@@ -114,6 +115,15 @@ def _ep2_worker(rank: int, world_size: int) -> str:
 
 def test_recompute_and_offload_identical_under_ep2():
     assert run_distributed(_ep2_worker, 2) == "ok"
+
+
+def _tp2_worker(rank: int, world_size: int) -> str:
+    return _ep2_worker(rank, world_size, tp=2)
+
+
+def test_recompute_and_offload_identical_under_tp2_ep2():
+    """tp=2 with sequence parallel (attention and norms on tp DTensors), experts over ep=2 folded onto the tp ranks."""
+    assert run_distributed(_tp2_worker, 2) == "ok"
 
 
 def test_plan_accepts_lists_of_kinds(tmp_path, capsys):
