@@ -38,7 +38,8 @@ Recipes (``block_scaled_linear`` / ``block_scaled_grouped_mm``)
 Limits of the emulation (documented, not hidden): inputs are quantized from their fp32 value (a float64 input is
 rounded to fp32 first); a block containing inf / NaN gives NaN (never a silently finite value); the quantizers
 are not meant to be differentiated through (the autograd functions define the recipe's backward); gradients use
-the device's default generator unless ``generator`` is given (a generator on the tensors' device).
+the device's default generator unless ``generator`` is given (a generator on the tensors' device); operands are
+plain tensors (handing local shards or gathered weights to these functions is the caller's business).
 """
 
 from __future__ import annotations
