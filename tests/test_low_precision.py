@@ -133,7 +133,7 @@ def test_keep_bf16_and_dims_that_do_not_fit(block_formats):
     cb.transform_model(model)
     assert type(model.layers["0"].attention.wq) is nn.Linear and type(model.layers["0"].feed_forward.w2) is nn.Linear
     assert "_grouped_mm" not in vars(model.layers["2"].moe.experts)  # the class's plain seam
-    assert type(model.layers["2"].moe.shared_experts.w1) is nn.Linear
+    assert not isinstance(model.layers["2"].moe.shared_experts.w1, BlockScaledLinear)
     assert type(model.layers["2"].attention.wq) is BlockScaledLinear
     assert cb.converted[0] == "layers.1.moe.experts" and "layers.0.attention.wq" not in cb.converted
     # the YAML string form of a list
@@ -300,7 +300,7 @@ LR, STEPS = 0.5, 3
 # fp8_rowwise: forward scales are per token row (and per weight column, on the gathered weight), so the forward is
 # layout-invariant; the weight-gradient scales are per rank (amax over this rank's rows of each expert / token
 # block), so parameters drift apart at quantization-noise level after the first step.
-EP2_LOSS_RTOL = 2e-3
+EP2_LOSS_RTOL = 3e-3
 
 
 def _train(model, ids_list, world):
@@ -350,15 +350,30 @@ def _one_process(recipe: str, tp: int) -> list[float]:
     cfg = _config(top_k=2, aux=False)
     model = reference_model(cfg)
     LowPrecisionTraining(recipe, emulate=True).transform_model(model)
-    ids = [tokens(cfg, seed=100 + r) for r in range(2 // tp)]
-    return _train(model, ids, 1)
+    ids = torch.cat([tokens(cfg, seed=100 + r) for r in range(2 // tp)])  # the global batch in one forward
+    return _train(model, [ids], 1)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
-def test_losses_under_ep2_agree_with_one_process(recipe):
-    ref = _one_process(recipe, 1)
-    got = run_distributed(_ep2_worker, 2, recipe, 1)
-    # tensorwise: activation scales are per rank (one amax per rank's tensor), so even the forward differs slightly
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=EP2_LOSS_RTOL if recipe == "fp8_rowwise"
-                               else 1e-2, atol=0)
+@pytest.mark.parametrize("recipe, tp", [("fp8_rowwise", 1), ("fp8_tensorwise", 1), ("fp8_rowwise", 2)],
+                         ids=["rowwise-ep2", "tensorwise-ep2", "rowwise-tp2-ep2"])
+def test_losses_under_ep2_agree_with_one_process(recipe, tp):
+    """W=2 ep=2 (FSDP2 over 2 data ranks, experts Shard(0) over ep) and W=2 tp=2 ep=2 (Float8Linear on tp DTensors),
+    3 SGD steps, vs one process on the global batch in one forward. Measured: rowwise ep2 identical (power-of-2
+    scales of a rank's amax and of the global amax fall in the same binade), rowwise tp2 within 1.2e-3, tensorwise
+    within 8e-4 (one activation scale per rank's tensor)."""
+    ref = _one_process(recipe, tp)
+    got = run_distributed(_ep2_worker, 2, recipe, tp)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=EP2_LOSS_RTOL, atol=0)
     assert got[-1] < got[0]
+
+
+def test_block_recipes_refuse_tensor_parallel_dense_at_setup():
+    from lightning_moe import MoEParallelStrategy
+    from lightning_moe.parallel import ParallelDims
+
+    strategy = MoEParallelStrategy(tp=2, parallel_devices=[torch.device("cpu")] * 2)
+    strategy._parallel_dims = ParallelDims(world_size=2, tp=2)
+    trainer = types.SimpleNamespace(strategy=strategy)
+    with pytest.raises(ValueError, match="tp=2"):
+        LowPrecisionTraining("nvfp4", emulate=True).setup(trainer, None, "fit")
+    LowPrecisionTraining("nvfp4", emulate=True, dense=False).setup(trainer, None, "fit")  # experts only: fine
