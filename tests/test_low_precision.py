@@ -110,7 +110,7 @@ def test_recipe_in_emulation_is_close_to_fp32_and_differs(recipe, block_formats)
         assert _rel(got["grads"][n], ref["grads"][n]) < 3 * grad_tol, n
     # what stays in high precision: modules not swapped, experts' seam and dense linears swapped
     dense_type = BlockScaledLinear if recipe in ("mxfp8", "nvfp4") else type(model.layers["0"].attention.wq)
-    assert dense_type is not nn.Linear
+    assert dense_type is not nn.Linear and not isinstance(model.output, dense_type)
     assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
     for i, blk in model.layers.items():
         assert type(blk.attention_norm) is type(base.layers[i].attention_norm)
@@ -118,9 +118,15 @@ def test_recipe_in_emulation_is_close_to_fp32_and_differs(recipe, block_formats)
         if blk.is_moe:
             assert type(blk.moe.router) is type(base.layers[i].moe.router)
             assert isinstance(blk.moe.experts._grouped_mm, LowPrecisionGroupedMM)
-            assert type(blk.moe.shared_experts.w2) is dense_type
+            assert isinstance(blk.moe.shared_experts.w2, dense_type)
+            assert not isinstance(blk.moe.shared_experts.gate or nn.Linear(1, 1), dense_type)
         else:
             assert type(blk.feed_forward.w1) is dense_type
+    # the same seed gives the same initial weights with and without the callback
+    torch.manual_seed(1234)
+    fresh = MoETransformer_like(cfg, seed=None, transform=lambda m: _lowp(m, recipe))
+    for k, v in base.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
     # weights keep their dtype, shape and key
     assert {k: (v.shape, v.dtype) for k, v in model.state_dict().items()} == keys
     if recipe in ("mxfp8", "nvfp4") and hasattr(block_formats, "calls"):
@@ -162,11 +168,14 @@ def test_checkpoints_round_trip_with_and_without_the_callback(tmp_path, block_fo
         assert torch.equal(back(ids), lowp(ids))
 
 
-def MoETransformer_like(cfg):  # noqa: N802 - a fresh model with other weights
+def MoETransformer_like(cfg, seed=99, transform=None):  # noqa: N802 - a fresh model (other weights by default)
     from lightning_moe.models.transformer import MoETransformer
 
-    torch.manual_seed(99)
+    if seed is not None:
+        torch.manual_seed(seed)
     m = MoETransformer(cfg)
+    if transform is not None:
+        transform(m)
     m.init_weights()
     return m
 
@@ -270,7 +279,7 @@ def test_trainer_fit_from_yaml_config_loss_falls(tmp_path):
     """)
     parser = ArgumentParser()
     parser.add_argument("--callbacks", type=list[L.Callback])
-    cb = parser.instantiate_classes(parser.parse_object(spec)).callbacks[0]
+    cb = parser.instantiate(parser.parse_object(spec)).callbacks[0]
     assert isinstance(cb, LowPrecisionTraining) and cb.keep_bf16 == ("layers.0",)
     torch.manual_seed(0)
     module = MoELanguageModel(_config(top_k=2), warmup_steps=0, lr=3e-3)

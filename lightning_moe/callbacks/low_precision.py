@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import types
 import warnings
 from typing import Any, Optional, Sequence, Union
 
@@ -266,7 +267,7 @@ class LowPrecisionTraining(L.Callback):
                 m._grouped_mm = LowPrecisionGroupedMM(self.recipe, self.emulate, name)
                 m.forward_loop = _NoLoop(name)
                 self.converted.append(name)
-            elif self.dense and type(m) is not BlockScaledLinear and isinstance(m, nn.Linear) \
+            elif self.dense and not isinstance(m, BlockScaledLinear) and isinstance(m, nn.Linear) \
                     and not _is_float8_linear(m):
                 if m.in_features % align or m.out_features % align:
                     self.skipped.append(name)
@@ -280,11 +281,12 @@ class LowPrecisionTraining(L.Callback):
             self.converted += linears
 
     def _convert_dense(self, model: nn.Module, names: set[str]) -> None:
+        original = {name: type(model.get_submodule(name)) for name in names}
         if self.recipe in BLOCK_RECIPES:
             _block_formats()  # fail now (a clear error), not in the first forward
             for name in names:
                 m = model.get_submodule(name)
-                m.__class__ = BlockScaledLinear
+                m.__class__ = _block_class(original[name])
                 m.lowp_recipe = self.recipe
             return
         try:
@@ -296,6 +298,24 @@ class LowPrecisionTraining(L.Callback):
                                      emulate=self.emulate,
                                      enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in names)
+        for name, cls in original.items():
+            # keep the original initialisation (e.g. the shared experts' normal init): the same seed gives the
+            # same initial weights with and without the callback
+            if cls.reset_parameters is not nn.Linear.reset_parameters:
+                m = model.get_submodule(name)
+                m.reset_parameters = types.MethodType(cls.reset_parameters, m)
+                if hasattr(cls, "init_std"):
+                    m.init_std = cls.init_std
+
+
+_BLOCK_CLASSES: dict[type, type] = {nn.Linear: BlockScaledLinear}
+
+
+def _block_class(cls: type) -> type:
+    """BlockScaledLinear's forward on top of ``cls`` (an nn.Linear subclass keeps its own init)."""
+    if cls not in _BLOCK_CLASSES:
+        _BLOCK_CLASSES[cls] = type(f"BlockScaled{cls.__name__.lstrip('_')}", (BlockScaledLinear, cls), {})
+    return _BLOCK_CLASSES[cls]
 
 
 def _is_float8_linear(m: nn.Module) -> bool:
