@@ -242,10 +242,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        log("--device cuda but CUDA is not available; use --device cpu")
+    device = train_step.pick_device(args.device)
+    if device is None:
         return 2
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     report: dict[str, Any] = {"args": vars(args), "env": train_step.environment(device)}
     try:
         import torchao
