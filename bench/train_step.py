@@ -577,12 +577,19 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
+def pick_device(name: str) -> Optional[torch.device]:
+    """The benchmark device for ``--device`` (None, with a message, when CUDA is asked for but absent)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        log("--device cuda but CUDA is not available; use --device cpu")
+        return None
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        log("--device cuda but CUDA is not available; use --device cpu")
+    device = pick_device(args.device)
+    if device is None:
         return 2
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")

@@ -2,5 +2,6 @@
 
 from lightning_moe.callbacks.activation_offload import ActivationOffload
 from lightning_moe.callbacks.load_balance import LoadBalanceMonitor
+from lightning_moe.callbacks.low_precision import LowPrecisionTraining
 
-__all__ = ["ActivationOffload", "LoadBalanceMonitor"]
+__all__ = ["ActivationOffload", "LoadBalanceMonitor", "LowPrecisionTraining"]

@@ -1,1 +1,1 @@
-"""Low-precision training: FP8 / MXFP8 / NVFP4 recipes and the block-scaled formats they use."""
+"""Low-precision numerics (FP8, MXFP8, NVFP4): quantizers, emulated and kernel-backed GEMMs."""
