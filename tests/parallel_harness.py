@@ -73,8 +73,8 @@ class FixedData(L.LightningDataModule):
 
 
 class EquivalenceModel(MoELanguageModel):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-        super().__init__(config, warmup_steps=0)
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], loss_impl: str = "auto") -> None:
+        super().__init__(config, warmup_steps=0, loss_impl=loss_impl)
         self._weights = weights
         self.step_losses: list[float] = []
 
@@ -96,14 +96,14 @@ class EquivalenceModel(MoELanguageModel):
 
 
 def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1, clip: Optional[float] = None,
-          moe: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+          moe: Optional[dict[str, Any]] = None, loss_impl: str = "auto") -> dict[str, Any]:
     """Train STEPS SGD steps on the fixed data under ``layout`` (None = one process, default strategy); return
     the per-step losses, the full final state dict, and every rank's expert biases."""
     from lightning_moe import MoEParallelStrategy
 
     cfg = small_config(**(moe or {}))
     weights = reference_state_dict(cfg)
-    model = EquivalenceModel(cfg, weights)
+    model = EquivalenceModel(cfg, weights, loss_impl)
     layout = dict(layout or {})
     dp = 1
     if layout:

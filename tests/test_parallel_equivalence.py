@@ -27,6 +27,8 @@ W2_LAYOUTS = {
     "clipping active, tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), clip=0.05),
     "activation checkpointing, ep=2": dict(layout=dict(ep=2, activation_checkpointing="full")),
     "global aux loss, ep=2": dict(layout=dict(ep=2), moe=dict(aux_loss_type="global")),
+    # the chunked loss takes the output weight's gradient in the forward: FSDP2 must still reduce it
+    "chunked linear cross-entropy, ep=2 (FSDP dp_shard=2)": dict(layout=dict(ep=2), loss_impl="chunked"),
     # 3 experts do not split over 2 FSDP ranks: the expert weights are sharded on their hidden dim D instead
     "experts FSDP-sharded on D, E=3 over edp=2": dict(layout=dict(dp_shard=2), moe=dict(num_experts=3)),
 }
@@ -43,7 +45,8 @@ def _run_layouts(rank: int, world_size: int, cases: dict) -> dict:
     out = {}
     for name, case in cases.items():
         try:
-            res = train(case["layout"], world_size, case.get("accumulate", 1), case.get("clip"), case.get("moe"))
+            res = train(case["layout"], world_size, case.get("accumulate", 1), case.get("clip"), case.get("moe"),
+                        case.get("loss_impl", "auto"))
             # the expert bias must agree bitwise on every rank
             for b in res["biases"]:
                 gathered = [torch.empty_like(b) for _ in range(world_size)]
