@@ -237,7 +237,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
         prof = None
         if getattr(args, "profile", False) and timed and not getattr(args, "_profiled", False):
             args._profiled = True  # the first timed run only
-            prof = StepProfiler(args.warmup, 3, Path(args.out).with_suffix(".trace.json"))
+            prof = step_profiler(args.warmup, 3, Path(args.out).with_suffix(".trace.json"))
             trainer.callbacks.append(prof)
         trainer.fit(model, datamodule=dm)
         if prof is not None:
@@ -278,38 +278,37 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     return res
 
 
-class StepProfiler:
-    """torch.profiler over ``n`` optimizer steps after ``start`` (a Lightning callback, duck-typed so this module
-    imports without Lightning): prints the top CUDA kernels by self time and writes a Chrome trace."""
+def step_profiler(start: int, n: int, trace: Path) -> Any:
+    """A Lightning callback running torch.profiler over ``n`` optimizer steps from step ``start``: prints the top
+    kernels by self time (kept in ``.table``) and writes a Chrome trace."""
+    import lightning as L
 
-    def __new__(cls, *a: Any, **k: Any) -> Any:
-        import lightning as L
+    class StepProfiler(L.Callback):
+        def __init__(self) -> None:
+            self.prof: Any = None
+            self.table = ""
 
-        class _P(L.Callback):
-            def __init__(self, start: int, n: int, trace: Path) -> None:
-                self.start, self.n, self.trace, self.prof, self.table = start, n, trace, None, ""
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step == start:
+                from torch.profiler import ProfilerActivity, profile
 
-            def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
-                if trainer.global_step == self.start:
-                    from torch.profiler import ProfilerActivity, profile
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                self.prof = profile(activities=acts)
+                self.prof.__enter__()
 
-                    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-                    self.prof = profile(activities=acts)
-                    self.prof.__enter__()
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if self.prof is not None and trainer.global_step == start + n:
+                self.prof.__exit__(None, None, None)
+                key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                self.table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
+                log(f"\nprofile of {n} steps (from step {start}):\n{self.table}")
+                try:
+                    self.prof.export_chrome_trace(str(trace))
+                except Exception as e:  # the table matters more than the trace
+                    log(f"trace export failed: {_err(e)}")
+                self.prof = None
 
-            def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
-                if self.prof is not None and trainer.global_step == self.start + self.n:
-                    self.prof.__exit__(None, None, None)
-                    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-                    self.table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
-                    log(f"\nprofile of {self.n} steps (from step {self.start}):\n{self.table}")
-                    try:
-                        self.prof.export_chrome_trace(str(self.trace))
-                    except Exception as e:  # the table matters more than the trace
-                        log(f"trace export failed: {_err(e)}")
-                    self.prof = None
-
-        return _P(*a, **k)
+    return StepProfiler()
 
 
 # ------------------------------------------------------------------------------------------ transformers run

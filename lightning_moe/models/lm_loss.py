@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSS_IMPLS", "IGNORE_INDEX", "linear_cross_entropy", "resolve_loss_impl"]
+__all__ = ["LOSS_IMPLS", "IGNORE_INDEX", "linear_cross_entropy", "resolve_loss_impl", "token_loss_sum"]
 
 IGNORE_INDEX = -100
 LOSS_IMPLS = ("auto", "torch", "chunked", "liger")
@@ -70,8 +70,7 @@ def linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, impl: str
         with torch.autocast(dev, enabled=False):
             return linear_cross_entropy(h_ND.to(dtype), w_VD.to(dtype), labels_N, impl, chunk_tokens)
     if impl == "torch":
-        logits_NV = h_ND @ w_VD.t()
-        return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
+        return token_loss_sum(h_ND @ w_VD.t(), labels_N)
     if impl == "liger":
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
@@ -84,6 +83,11 @@ def linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, impl: str
     if not torch.is_grad_enabled() or not (need_h or need_w):
         return _chunked_loss(h_ND, w_VD, labels_N, C)
     return _ChunkedLinearCE.apply(h_ND, w_VD, labels_N, C)
+
+
+def token_loss_sum(logits_NV: Tensor, labels_N: Tensor) -> Tensor:
+    """The reference: the sum of the token cross-entropies over labels != -100, on an fp32 copy of the logits."""
+    return F.cross_entropy(logits_NV.float(), labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _ce_chunk_eager(logits_CV: Tensor, labels_C: Tensor, want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ModelConfig, YaRNScaling
 from lightning_moe.models import registry
-from lightning_moe.models.lm_loss import IGNORE_INDEX, linear_cross_entropy
+from lightning_moe.models.lm_loss import linear_cross_entropy, token_loss_sum
 from lightning_moe.moe.layer import MoELayer
 
 
@@ -463,8 +463,7 @@ class MoETransformer(nn.Module):
         w_VD = self.tok_embeddings.weight if self.output is None else self.output.weight
         if isinstance(w_VD, DTensor) or isinstance(h_BSD, DTensor):
             # a tensor-parallel output projection: its own forward (the plan's gathers), then the reference loss
-            logits_NV = self.logits(h_BSD).flatten(0, 1)
-            return F.cross_entropy(logits_NV.float(), labels_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            return token_loss_sum(self.logits(h_BSD).flatten(0, 1), labels_BS.flatten())
         return linear_cross_entropy(h_BSD.flatten(0, 1), w_VD.to(h_BSD.dtype), labels_BS.flatten(), loss_impl)
 
     def hidden_states(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
