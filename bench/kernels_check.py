@@ -60,6 +60,8 @@ import torch.nn.functional as F  # noqa: E402
 from lightning_moe.config import MoEConfig  # noqa: E402
 from lightning_moe.moe import kernels  # noqa: E402
 from lightning_moe.moe.dispatcher import LocalDispatcher, _PermuteRows, _UnpermuteRows  # noqa: E402
+from lightning_moe.moe.experts import _GatherGateUp  # noqa: E402
+from lightning_moe.moe.router_gemm import router_logits  # noqa: E402
 from lightning_moe.moe.layer import MoELayer  # noqa: E402
 from lightning_moe.moe.router import RoutingResult  # noqa: E402
 
@@ -173,6 +175,29 @@ def check_shape(rows, name, dev):
     del y, x
     g, u = (torch.randn(R, Fh, device=dev, dtype=bf) for _ in range(2))
     check_op(rows, name, "swiglu", kernels.swiglu, [g, u], dev)
+    p_R = torch.rand(R, device=dev)
+    check_op(rows, name, "swiglu x row weights", kernels.swiglu, [g, u, p_R], dev)
+    del g, u, p_R
+    # the router GEMM: fp32 F.linear (torch) vs the split-bf16 tensor-core GEMM (router_gemm, "triton" switch)
+    x = torch.randn(T, D, device=dev, dtype=bf)
+    w = torch.randn(E, D, device=dev) * 0.02
+    check_op(rows, name, "router logits", router_logits, [x, w], dev)
+    # gate + up GEMMs on gathered rows: the dispatcher's gather + torch._grouped_mm autograd (torch) vs
+    # _GatherGateUp (gathers again in backward, keeps no rows; its dx summed into tokens by one k-sum)
+    e_loc = min(E, 64) if not ARGS.small else E  # the expert weights of all E experts would not matter more
+    probs_s, pos_s, asg_s, counts_s = routing_maps(T, k, e_loc, dev)
+    offs = torch.cumsum(counts_s, 0, dtype=torch.int32)
+    w1, w3 = (torch.randn(e_loc, Fh, D, device=dev, dtype=bf) * 0.02 for _ in range(2))
+
+    def gate_up(x_, w1_, w3_):
+        if kernels.backend() == "torch":
+            x_RD = _PermuteRows.apply(x_, asg_s, pos_s, False, True)
+            g_, u_ = (torch._grouped_mm(x_RD, w_.transpose(-2, -1), offs=offs) for w_ in (w1_, w3_))
+        else:
+            g_, u_ = _GatherGateUp.apply(x_, asg_s, pos_s, w1_, w3_, offs)
+        return torch.cat([g_, u_], 1)
+
+    check_op(rows, name, "gather + gate/up GEMMs", gate_up, [x, w1, w3], dev)
 
 
 def bare_grouped_gemm_ms(layer, x_RD, counts, dev) -> float:

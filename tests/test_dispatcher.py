@@ -45,11 +45,24 @@ def _expert(x, w1, w3, w2):
     return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
 
 
-def _experts_fn(x_RD, counts_e, w1, w3, w2):
-    outs = [
-        _expert(x_e, w1[j], w3[j], w2[j]) for j, x_e in enumerate(torch.split(x_RD, counts_e.tolist(), dim=0))
-    ]
+def _experts_fn(x_RD, counts_e, w1, w3, w2, probs_R=None):
+    """Experts on grouped rows; with ``probs_R`` each row's activation is scaled before the down projection (the
+    experts apply the combine weights, ``dispatcher.row_probs``)."""
+    sizes = counts_e.tolist()
+    p_parts = torch.split(probs_R, sizes) if probs_R is not None else [None] * len(sizes)
+    outs = []
+    for j, (x_e, p_e) in enumerate(zip(torch.split(x_RD, sizes, dim=0), p_parts)):
+        h = F.silu(x_e @ w1[j].t()) * (x_e @ w3[j].t())
+        outs.append((h if p_e is None else h * p_e.unsqueeze(1)) @ w2[j].t())
     return torch.cat(outs, dim=0)
+
+
+def _experts_and_combine(disp, x_RD, counts_e, ctx, ws, row_probs):
+    """experts -> combine, the weights in the combine or (``row_probs``) in the experts."""
+    p_R = disp.row_probs(ctx) if row_probs else None
+    if row_probs:
+        assert p_R.shape == (x_RD.shape[0],) and p_R.dtype == torch.float32 and ctx.probs_applied
+    return disp.combine(_experts_fn(x_RD, counts_e, *ws, probs_R=p_R), ctx)
 
 
 def _routing(rank, case):
@@ -88,8 +101,9 @@ def _reference(x, probs, ids, keep, w1, w3, w2):
     return y
 
 
-def _check_case(disp, case, world, device="cpu", tol=TOL):
-    """``world``: the ranks 0..world-1 form this dispatcher's ep x etp domain (the tests' layouts cover it)."""
+def _check_case(disp, case, world, device="cpu", tol=TOL, row_probs=False):
+    """``world``: the ranks 0..world-1 form this dispatcher's ep x etp domain (the tests' layouts cover it).
+    ``row_probs``: the experts apply the combine weights (``disp.row_probs``), combine sums unweighted."""
     rank = dist.get_rank()
     E = case["E"]
     P, Q = disp.ep_size, disp.etp_size
@@ -127,8 +141,7 @@ def _check_case(disp, case, world, device="cpu", tol=TOL):
     else:
         assert torch.equal(counts_e, true_E[ex]), (counts_e, true_E[ex])
 
-    y_RD = _experts_fn(x_RD, counts_e, w1, w3, w2)
-    y = disp.combine(y_RD, ctx)
+    y = _experts_and_combine(disp, x_RD, counts_e, ctx, (w1, w3, w2), row_probs)
     g_out = torch.randn(x0.shape, generator=_gen(7 + rank)).to(device)
     (y * g_out).sum().backward()
 
@@ -182,10 +195,12 @@ def _worker(rank, world):
             if case["E"] % dispatchers[0].ep_size:
                 continue
             for disp in dispatchers:
-                try:
-                    _check_case(disp, case, world)
-                except Exception as err:
-                    raise AssertionError(f"layout {name}, case {case['name']}, {disp!r}: {err}") from err
+                for row_probs in (False, True):
+                    try:
+                        _check_case(disp, case, world, row_probs=row_probs)
+                    except Exception as err:
+                        raise AssertionError(f"layout {name}, case {case['name']}, {disp!r}, row_probs={row_probs}: "
+                                             f"{err}") from err
     # a wrong expert count is a clear error
     d = AllToAllDispatcher(dist.group.WORLD)
     try:
@@ -224,8 +239,9 @@ def test_regroup_index_matches_naive():
     assert idx.tolist() == expected
 
 
+@pytest.mark.parametrize("row_probs", [False, True], ids=["weighted_combine", "row_probs"])
 @pytest.mark.parametrize("mode", ["plain", "capacity", "pad", "k=E"])
-def test_local_dispatcher_matches_reference(mode):
+def test_local_dispatcher_matches_reference(mode, row_probs):
     """Values and gradients (x, probs, expert weights) of LocalDispatcher against the formula."""
     g = _gen(4)
     E, T = 4, 7
@@ -257,7 +273,7 @@ def test_local_dispatcher_matches_reference(mode):
         else:
             flat = ids.reshape(-1) if keep is None else ids.reshape(-1)[keep.reshape(-1)]
             assert torch.equal(counts, torch.bincount(flat, minlength=E))
-        return disp.combine(_experts_fn(x_RD, counts, *ws), ctx)
+        return _experts_and_combine(disp, x_RD, counts, ctx, ws, row_probs)
 
     for got, want, what in zip(run(local), run(lambda x, p, ws: _reference(x, p, ids, keep, *ws)),
                                ["y", "x", "probs", "w1", "w3", "w2"]):

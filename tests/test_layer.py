@@ -16,7 +16,9 @@ from lightning_moe.moe.router import TopKRouter
 
 D, FF, E, K = 16, 32, 8, 2
 B, S = 2, 12
-RTOL, ATOL = 1e-5, 1e-6
+# fp32; the layer applies the combine weight before the down projection, the references after it (a reassociation:
+# differences of a few ulps of the O(1) values)
+RTOL, ATOL = 1e-5, 2e-6
 
 SOFTMAX = dict(num_experts=E, top_k=K, expert_hidden_size=FF, score_func="softmax", pre_softmax=True,
                aux_loss_type="aux", z_loss_coeff=1e-3)

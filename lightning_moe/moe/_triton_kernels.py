@@ -29,16 +29,20 @@ def _bcast(x, like):
 
 
 @triton.jit
-def k_sum_kernel(rows_ptr, pos_ptr, w_ptr, out_ptr, D, K: tl.constexpr, HAS_W: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """out[t, d] = sum_j w[t, j] * rows[pos[t, j], d] over pos >= 0. Grid (T, cdiv(D, BLOCK_D))."""
+def k_sum_kernel(rows_ptr, rows2_ptr, pos_ptr, w_ptr, out_ptr, D, K: tl.constexpr, HAS_W: tl.constexpr,
+                 HAS_ROWS2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t, d] = sum_j w[t, j] * (rows[pos[t, j], d] (+ rows2[pos[t, j], d])) over pos >= 0.
+    Grid (T, cdiv(D, BLOCK_D))."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):  # unrolled: the k row loads are in flight together
         p = tl.load(pos_ptr + t * K + j).to(tl.int64)
-        v = tl.load(rows_ptr + p * D + d, mask=dmask & (_bcast(p, d) >= 0), other=0.0).to(tl.float32)
+        m = dmask & (_bcast(p, d) >= 0)
+        v = tl.load(rows_ptr + p * D + d, mask=m, other=0.0).to(tl.float32)
+        if HAS_ROWS2:
+            v += tl.load(rows2_ptr + p * D + d, mask=m, other=0.0).to(tl.float32)
         if HAS_W:
             v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
         acc += v
@@ -104,3 +108,41 @@ def swiglu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, N, BLOCK: tl.constex
     s = tl.sigmoid(g)
     tl.store(du_ptr + offs, (dh * g * s).to(du_ptr.dtype.element_ty), mask=m)
     tl.store(dg_ptr + offs, (dh * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def swiglu_probs_fwd_kernel(g_ptr, u_ptr, p_ptr, h_ptr, F, BLOCK_F: tl.constexpr):
+    """h[r] = silu(g[r]) * u[r] * p[r] (the combine weight of row r applied before the down projection).
+    Grid (R, cdiv(F, BLOCK_F))."""
+    r = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    m = f < F
+    p = tl.load(p_ptr + r).to(tl.float32)
+    g = tl.load(g_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+    tl.store(h_ptr + r * F + f, (g * tl.sigmoid(g) * u * p).to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def swiglu_probs_bwd_kernel(g_ptr, u_ptr, p_ptr, dh_ptr, dg_ptr, du_ptr, dp_ptr, F, NEED_DP: tl.constexpr,
+                            BLOCK_F: tl.constexpr):
+    """One row per program: with a = silu(g) recomputed, dp = sum_f dh * a * u (fp32), du = dh * p * a,
+    dg = dh * p * u * s * (1 + g * (1 - s)). Grid (R,)."""
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.load(p_ptr + r).to(tl.float32)
+    acc = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        f = f0 + tl.arange(0, BLOCK_F)
+        m = f < F
+        g = tl.load(g_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        a = g * s
+        if NEED_DP:
+            acc += dh * a * u
+        dhp = dh * p
+        tl.store(du_ptr + r * F + f, (dhp * a).to(du_ptr.dtype.element_ty), mask=m)
+        tl.store(dg_ptr + r * F + f, (dhp * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=m)
+    if NEED_DP:
+        tl.store(dp_ptr + r, tl.sum(acc, axis=0))

@@ -47,6 +47,7 @@ class DispatchContext:
         assignments with no row (dropped by capacity, or on another rank's experts for the all-gather dispatcher).
     asg_R: the assignment (flat index into [num_tokens, k]) of each of those rows; -1 for padding rows.
     has_dropped: some pos_TK are -1.  rows_covered: no asg_R is -1.
+    probs_applied: :meth:`TokenDispatcher.row_probs` handed the weights to the experts, so combine sums unweighted.
     extra: the distributed dispatcher's own state: the all-to-all's split sizes and regroup indices, or the
         all-gather dispatcher's local token count.
     """
@@ -58,6 +59,7 @@ class DispatchContext:
     has_dropped: bool = False
     rows_covered: bool = True
     extra: Union["_AllToAllState", int, None] = None
+    probs_applied: bool = False
 
 
 class TokenDispatcher:
@@ -73,6 +75,13 @@ class TokenDispatcher:
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
         raise NotImplementedError
+
+    def row_probs(self, ctx: DispatchContext) -> Optional[Tensor]:
+        """The combine weight of every row of ``dispatch``'s output ([R] fp32, differentiable; 0 for padding rows),
+        for experts that apply it themselves (before their down projection, as Megatron-Core does): ``combine`` of
+        this ``ctx`` then sums the rows unweighted, and the layer keeps no [R, D] expert output for the weights'
+        gradient. None: this dispatcher cannot (``combine`` weights the rows)."""
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -184,6 +193,60 @@ class _UnpermuteRows(torch.autograd.Function):
         return grad_y, grad_p, None, None, None, None
 
 
+class _SumRows(torch.autograd.Function):
+    """out[t] = sum_k y[pos_TK[t, k]] over pos >= 0 (the combine when the experts applied the weights); backward
+    grad_y[r] = g[token of r] (padding rows: 0), a gather: nothing of y is kept."""
+
+    @staticmethod
+    def forward(ctx, y_RD: Tensor, pos_TK: Tensor, asg_R: Tensor, has_dropped: bool, rows_covered: bool) -> Tensor:
+        ctx.save_for_backward(asg_R)
+        ctx.flags = (pos_TK.shape, rows_covered)
+        ctx.fused = kernels.use_triton(y_RD)
+        if ctx.fused:
+            return kernels.k_sum(y_RD, pos_TK)
+        mask = (pos_TK >= 0).to(y_RD.dtype) if has_dropped else None
+        return _weighted_k_sum(y_RD, pos_TK, mask)
+
+    @staticmethod
+    def backward(ctx, g_TD: Tensor):
+        (asg_R,) = ctx.saved_tensors
+        (T, k), rows_covered = ctx.flags
+        if ctx.fused:
+            grad_y = kernels.gather_rows(g_TD, asg_R, k)
+        else:
+            grad_y = _with_zero_row(g_TD.contiguous(), rows_covered).index_select(
+                0, _rows_to_tokens(asg_R, k, rows_covered, T))
+        return grad_y, None, None, None, None
+
+
+class _RowProbs(torch.autograd.Function):
+    """p_R[r] = probs[asg_R[r]] (0 for padding rows, asg -1); backward grad_probs[t, k] = g[pos_TK[t, k]] (0 where
+    pos < 0): gathers both ways, no scatter."""
+
+    @staticmethod
+    def forward(ctx, probs_TK: Tensor, asg_R: Tensor, pos_TK: Tensor) -> Tensor:
+        ctx.save_for_backward(pos_TK)
+        flat = probs_TK.reshape(-1)
+        if flat.numel() == 0:
+            return probs_TK.new_zeros(asg_R.shape[0])
+        return torch.where(asg_R >= 0, flat.index_select(0, asg_R.clamp(min=0)), flat.new_zeros(()))
+
+    @staticmethod
+    def backward(ctx, g_R: Tensor):
+        (pos_TK,) = ctx.saved_tensors
+        if g_R.numel() == 0:
+            return g_R.new_zeros(pos_TK.shape), None, None
+        picked = g_R.index_select(0, pos_TK.clamp(min=0).reshape(-1)).view(pos_TK.shape)
+        return torch.where(pos_TK >= 0, picked, picked.new_zeros(())), None, None
+
+
+def _row_probs(ctx: DispatchContext, probs_TK: Optional[Tensor] = None) -> Tensor:
+    """[R] fp32 combine weights of the rows ``ctx`` describes (of the probs ``ctx`` holds unless given), and mark
+    the combine unweighted."""
+    ctx.probs_applied = True
+    return _RowProbs.apply((ctx.probs_TK if probs_TK is None else probs_TK).float(), ctx.asg_R, ctx.pos_TK)
+
+
 class _Reindex(torch.autograd.Function):
     """out = x[index] with backward grad_x = grad[inverse]: for index maps that hit each row at most once (rows of
     x no index reaches get an arbitrary row's gradient: callers only use this where such rows are cut off)."""
@@ -247,6 +310,8 @@ def _permute(x_TD: Tensor, probs_TK: Tensor, pos_TK: Tensor, asg_R: Tensor, has_
 
 
 def _unpermute(y_RD: Tensor, ctx: DispatchContext) -> Tensor:
+    if ctx.probs_applied:
+        return _SumRows.apply(y_RD, ctx.pos_TK, ctx.asg_R, ctx.has_dropped, ctx.rows_covered)
     return _UnpermuteRows.apply(y_RD, ctx.probs_TK, ctx.pos_TK, ctx.asg_R, ctx.has_dropped, ctx.rows_covered)
 
 
@@ -262,6 +327,13 @@ class LocalDispatcher(TokenDispatcher):
     def dispatch(
         self, x_TD: Tensor, routing: RoutingResult, num_experts: int
     ) -> tuple[Tensor, Tensor, DispatchContext]:
+        counts_e, ctx = self.plan(routing, num_experts)
+        rows = _PermuteRows.apply(x_TD, ctx.asg_R, ctx.pos_TK, ctx.has_dropped, ctx.rows_covered)
+        return rows, counts_e, ctx
+
+    def plan(self, routing: RoutingResult, num_experts: int) -> tuple[Tensor, DispatchContext]:
+        """``dispatch`` without moving rows: the counts and the context whose ``asg_R`` says which token each row
+        is (``x_RD[r] = x_TD[asg_R[r] // k]``, zero rows where -1), for experts that gather the rows themselves."""
         E = num_experts
         self.num_local_experts = E
         T, k = routing.expert_ids.shape
@@ -270,16 +342,17 @@ class LocalDispatcher(TokenDispatcher):
         if routing.capacity is not None and self.pad_to_capacity:
             cap = int(routing.capacity)
             pos_TK, asg_R = _capacity_slots(ids_TK, order_A, counts_E1, E, cap)
-            x_RD, ctx = _permute(x_TD, routing.probs, pos_TK, asg_R, True, False)
-            return x_RD, torch.full_like(counts_E, cap), ctx
+            return torch.full_like(counts_E, cap), DispatchContext(T, routing.probs, pos_TK, asg_R, True, False)
         A = order_A.numel()
         R = A if routing.keep_mask is None else int(counts_E.sum())  # host sync only in capacity mode
         pos_TK = _positions(order_A, R, (T, k))
-        x_RD, ctx = _permute(x_TD, routing.probs, pos_TK, order_A[:R], R < A, True)
-        return x_RD, counts_E, ctx
+        return counts_E, DispatchContext(T, routing.probs, pos_TK, order_A[:R], R < A, True)
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
         return _unpermute(y_RD, ctx)
+
+    def row_probs(self, ctx: DispatchContext) -> Tensor:
+        return _row_probs(ctx)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -379,6 +452,7 @@ class _AllToAllState:
     regroup_R: Tensor  # gather index: (etp-gathered) source-major buffer -> expert-major rows
     inverse_B: Tensor  # gather index back: expert-major rows -> buffer rows (Q * Rmax with etp)
     own_rows: int  # rows this rank received over ep (its slice of the etp buffer)
+    max_rows: int  # Rmax: the largest etp peer's received rows (the etp all-gather pads to it)
 
 
 class AllToAllDispatcher(_GroupedDispatcher):
@@ -455,13 +529,8 @@ class AllToAllDispatcher(_GroupedDispatcher):
             recv_splits = [sum(c) for c in recv[self.etp_rank]]
             rows_Q = [sum(sum(c) for c in recv[q]) for q in range(Q)]
 
-        x_recv = self._a2a(x_sent, recv_splits, send)  # [source][local expert]
         own = sum(recv_splits)
-        if Q > 1:
-            rmax = max(rows_Q)
-            x_buf = all_gather_autograd(_pad_rows(x_recv, rmax), 0, self.etp_group)  # [etp peer][rmax]
-        else:
-            rmax, x_buf = own, x_recv
+        rmax = max(rows_Q) if Q > 1 else own
         total = sum(rows_Q)
         rows_QP = recv_QPe.sum(2)
         base_QP = _exclusive_cumsum(rows_QP, 1) + torch.arange(Q, device=rows_QP.device).unsqueeze(1) * rmax
@@ -470,10 +539,20 @@ class AllToAllDispatcher(_GroupedDispatcher):
         # off after the reduce-scatter / before the all-gather, so whatever they hold is never read
         inverse_B = torch.zeros(Q * rmax, dtype=torch.long, device=regroup_R.device)
         inverse_B.scatter_(0, regroup_R, torch.arange(total, device=regroup_R.device))
-        x_RD = _Reindex.apply(x_buf, regroup_R, inverse_B)
-        counts_e = recv_QPe.sum((0, 1))
-        ctx.extra = _AllToAllState(send, recv_splits, regroup_R, inverse_B, own)
-        return x_RD, counts_e, ctx
+        ctx.extra = _AllToAllState(send, recv_splits, regroup_R, inverse_B, own, rmax)
+        return self._to_experts(x_sent, ctx.extra), recv_QPe.sum((0, 1)), ctx
+
+    def _to_experts(self, t_sent: Tensor, st: _AllToAllState) -> Tensor:
+        """Rows in send order -> this rank's expert-major rows: all_to_all over ep, all-gather over etp (each peer
+        padded to Rmax), the regroup gather. Differentiable."""
+        t_recv = self._a2a(t_sent, st.recv_splits, st.send_splits)  # [source][local expert]
+        if self.etp_size > 1:
+            t_recv = all_gather_autograd(_pad_rows(t_recv, st.max_rows), 0, self.etp_group)  # [etp peer][rmax]
+        return _Reindex.apply(t_recv, st.regroup_R, st.inverse_B)
+
+    def row_probs(self, ctx: DispatchContext) -> Tensor:
+        # the sent rows' weights take the rows' way ([n, 1] fp32: 4 bytes a row beside the row's 2 * D)
+        return self._to_experts(_row_probs(ctx).unsqueeze(1), ctx.extra).squeeze(1)
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
         st: _AllToAllState = ctx.extra
@@ -552,6 +631,9 @@ class AllGatherDispatcher(_GroupedDispatcher):
         x_RD, ctx = _permute(x_g, probs_g, pos_TK, order_A[:rows], rows < A, True)
         ctx.extra = T
         return x_RD, counts_e1[:e], ctx
+
+    def row_probs(self, ctx: DispatchContext) -> Tensor:
+        return _row_probs(ctx)  # ctx holds the gathered probs: every rank has its rows' weights
 
     def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
         y = _unpermute(y_RD, ctx)  # [Q][P][t_max]

@@ -38,7 +38,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.autograd import contiguous_grad_
+from lightning_moe.moe import kernels
 from lightning_moe.moe.kernels import swiglu
+from lightning_moe.moe.kernels import swiglu_reference as _swiglu_ref
 
 __all__ = ["GroupedExperts", "SharedExperts"]
 
@@ -66,10 +68,14 @@ class GroupedExperts(nn.Module):
         init_std: std of the normal init of ``w1`` and ``w3``.
         out_init_std: std of the normal init of ``w2`` (callers often scale it by depth); defaults to init_std.
 
-    ``forward(x_RD, counts_e)`` takes rows grouped by local expert (expert 0's rows first) and int64 counts per
-    local expert ([e]); it returns [R, D] in the compute dtype (autocast dtype, else the weight dtype).
+    ``forward(x_RD, counts_e, probs_R=None)`` takes rows grouped by local expert (expert 0's rows first), int64
+    counts per local expert ([e]) and optionally each row's combine weight ([R], fp32), which then scales the
+    SwiGLU activation before the down projection (``applies_row_probs``: the MoE layer hands the weights over and
+    combines unweighted); it returns [R, D] in the compute dtype (autocast dtype, else the weight dtype).
     Subclasses (FP8 backends) override :meth:`_grouped_mm` only.
     """
+
+    applies_row_probs = True
 
     def __init__(
         self,
@@ -146,9 +152,39 @@ class GroupedExperts(nn.Module):
             return f"{num_local} local experts: the CUDA grouped GEMM takes fewer than 1024 groups (use expert parallelism)"
         return None
 
-    def forward(self, x_RD: Tensor, counts_e: Tensor) -> Tensor:
+    def _check_probs(self, x_RD: Tensor, probs_R: Optional[Tensor]) -> None:  # x_RD: anything with R rows
+        if probs_R is not None and tuple(probs_R.shape) != (x_RD.shape[0],):
+            raise ValueError(f"GroupedExperts expects one weight per row, probs_R of shape [{x_RD.shape[0]}], got "
+                             f"{tuple(probs_R.shape)}")
+
+    def gathers_rows(self, x_TD: Tensor) -> bool:
+        """Whether :meth:`forward` can take ``rows_from`` and gather the rows itself without keeping them: the fused
+        CUDA kernels are on, the grouped GEMM is this class's (an FP8 seam has its own autograd), and the shapes
+        suit the grouped GEMM."""
+        w1 = _local(self.w1)
+        dtype = _compute_dtype(x_TD, w1)
+        return (self.use_grouped_mm and type(self)._grouped_mm is GroupedExperts._grouped_mm
+                and x_TD.dtype == dtype and kernels.use_triton(x_TD)
+                and self._grouped_mm_problem(x_TD, dtype, w1.shape[0], w1.shape[1]) is None)
+
+    def forward(self, x_RD: Optional[Tensor], counts_e: Tensor, probs_R: Optional[Tensor] = None, *,
+                rows_from: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
+        if rows_from is not None:
+            # (x_TD, asg_R, pos_TK): the rows are x_TD[asg_R // k] (zero rows where asg_R < 0), gathered here and
+            # again in the backward instead of kept for the gate / up weight gradients (R x D: k times x_TD)
+            assert x_RD is None and self.gathers_rows(rows_from[0])
+            x_TD, asg_R, pos_TK = rows_from
+            self._check_probs(asg_R, probs_R)
+            w1, w2, w3, _ = self._local_weights(x_TD)
+            self._check(x_TD, counts_e, w1.shape[0])
+            if asg_R.shape[0] == 0:  # no rows: the general path's empty-operand handling
+                return self.forward(kernels.gather_rows(x_TD, asg_R, pos_TK.shape[1]), counts_e, probs_R)
+            offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
+            g_RF, u_RF = _GatherGateUp.apply(x_TD.contiguous(), asg_R, pos_TK, w1, w3, offs_e)
+            return contiguous_grad_(self.act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
+        self._check_probs(x_RD, probs_R)
         if not self.use_grouped_mm:
-            return self.forward_loop(x_RD, counts_e)
+            return self.forward_loop(x_RD, counts_e, probs_R)
         w1, w2, w3, dtype = self._local_weights(x_RD)
         self._check(x_RD, counts_e, w1.shape[0])
         problem = self._grouped_mm_problem(x_RD, dtype, w1.shape[0], w1.shape[1])
@@ -156,42 +192,78 @@ class GroupedExperts(nn.Module):
             if not self._warned_fallback:
                 warnings.warn(f"GroupedExperts: {problem}; using the per-expert loop (slow)", stacklevel=2)
                 self._warned_fallback = True
-            return self.forward_loop(x_RD, counts_e)
+            return self.forward_loop(x_RD, counts_e, probs_R)
         x = x_RD.to(dtype).contiguous()
         if x.shape[0] == 0:
             # no rows on this process (e.g. an EP rank that got no tokens): the CUDA grouped-GEMM backward
             # rejects empty operands; plain matmuls give the same empty output and zero weight gradients
-            h_0F = F.silu(x @ w1[0].transpose(0, 1)) * (x @ w3[0].transpose(0, 1))
+            h_0F = _swiglu_ref(x @ w1[0].transpose(0, 1), x @ w3[0].transpose(0, 1), probs_R)
             return h_0F @ w2[0].transpose(0, 1)
         offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
         gmm = self._grouped_mm
         # w[E, N, K].transpose(-2, -1) is the column-major [E, K, N] operand: x @ w[e].T, no copy
         g_RF = contiguous_grad_(gmm(x, w1.transpose(-2, -1), offs_e))
         u_RF = contiguous_grad_(gmm(x, w3.transpose(-2, -1), offs_e))
-        return contiguous_grad_(self.act_down(g_RF, u_RF, w2.transpose(-2, -1), offs_e))
+        return contiguous_grad_(self.act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
 
-    def act_down(self, g_RF: Tensor, u_RF: Tensor, w2_EFD: Tensor, offs_e: Tensor) -> Tensor:
-        """SwiGLU and the down projection: the seam ``activation_checkpointing=[moe_act]`` recomputes (then neither
-        silu(g) nor h is kept for the backward; see :mod:`lightning_moe.parallel.recompute`)."""
+    def act_down(self, g_RF: Tensor, u_RF: Tensor, probs_R: Optional[Tensor], w2_EFD: Tensor,
+                 offs_e: Tensor) -> Tensor:
+        """SwiGLU (times the rows' weights when given) and the down projection: the seam
+        ``activation_checkpointing=[moe_act]`` recomputes (then h is not kept for the backward; see
+        :mod:`lightning_moe.parallel.recompute`)."""
         # SwiGLU: a fused Triton kernel on CUDA (lightning_moe.moe.kernels), the torch reference elsewhere
-        return self._grouped_mm(swiglu(g_RF, u_RF), w2_EFD, offs_e)
+        return self._grouped_mm(swiglu(g_RF, u_RF, probs_R), w2_EFD, offs_e)
 
-    def forward_loop(self, x_RD: Tensor, counts_e: Tensor) -> Tensor:
+    def forward_loop(self, x_RD: Tensor, counts_e: Tensor, probs_R: Optional[Tensor] = None) -> Tensor:
         """Reference: a Python loop over local experts with plain matmuls (one host sync for the counts)."""
         w1, w2, w3, dtype = self._local_weights(x_RD)
         self._check(x_RD, counts_e, w1.shape[0])
+        self._check_probs(x_RD, probs_R)
         x = x_RD.to(dtype)
         sizes = counts_e.tolist()
         n = sum(sizes)
         if n > x.shape[0]:
             raise ValueError(f"expert counts sum to {n} but only {x.shape[0]} rows were given")
+        p_parts = torch.split(probs_R[:n], sizes) if probs_R is not None else [None] * len(sizes)
         outs = []
-        for e, x_e in enumerate(torch.split(x[:n], sizes, dim=0)):
-            h = F.silu(x_e @ w1[e].transpose(0, 1)) * (x_e @ w3[e].transpose(0, 1))
+        for e, (x_e, p_e) in enumerate(zip(torch.split(x[:n], sizes, dim=0), p_parts)):
+            h = _swiglu_ref(x_e @ w1[e].transpose(0, 1), x_e @ w3[e].transpose(0, 1), p_e)
             outs.append(h @ w2[e].transpose(0, 1))
         if n < x.shape[0]:  # rows past the last group (never produced by our dispatchers) give zeros
             outs.append(x.new_zeros(x.shape[0] - n, self.dim))
         return torch.cat(outs, dim=0)
+
+
+class _GatherGateUp(torch.autograd.Function):
+    """``x_RD = x_TD[asg_R // k]``, then the gate and up grouped GEMMs; the backward gathers x_RD again (one gather of
+    R rows, instead of keeping R x D from the forward) for the weight gradients, and sums both GEMMs' input gradients
+    straight into the tokens (one k-sum over two row tensors: no [R, D] sum of dx_gate + dx_up). The GEMMs are
+    those ``torch._grouped_mm``'s own autograd runs; the row kernels are :mod:`lightning_moe.moe.kernels`'."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EFD: Tensor, w3_EFD: Tensor,
+                offs_e: Tensor) -> tuple[Tensor, Tensor]:
+        x_RD = kernels.gather_rows(x_TD, asg_R, pos_TK.shape[1])
+        ctx.save_for_backward(x_TD, asg_R, pos_TK, w1_EFD, w3_EFD, offs_e)
+        return (torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=offs_e),
+                torch._grouped_mm(x_RD, w3_EFD.transpose(-2, -1), offs=offs_e))
+
+    @staticmethod
+    def backward(ctx, dg_RF: Tensor, du_RF: Tensor):
+        x_TD, asg_R, pos_TK, w1, w3, offs_e = ctx.saved_tensors
+        dg, du = dg_RF.contiguous(), du_RF.contiguous()
+        grad_x = grad_w1 = grad_w3 = None
+        if ctx.needs_input_grad[0]:
+            grad_x = kernels.k_sum(torch._grouped_mm(dg, w1, offs=offs_e), pos_TK,
+                                   rows2_RD=torch._grouped_mm(du, w3, offs=offs_e))
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            x_RD = kernels.gather_rows(x_TD, asg_R, pos_TK.shape[1])
+            # [E, D, F] = x[g].T @ d[g], the layout torch's grouped-GEMM backward produces; w grads are its transpose
+            if ctx.needs_input_grad[3]:
+                grad_w1 = torch._grouped_mm(x_RD.t(), dg, offs=offs_e).transpose(-2, -1)
+            if ctx.needs_input_grad[4]:
+                grad_w3 = torch._grouped_mm(x_RD.t(), du, offs=offs_e).transpose(-2, -1)
+        return grad_x, None, None, grad_w1, grad_w3, None
 
 
 class _Linear(nn.Linear):

@@ -20,7 +20,8 @@ What the kernels do (all math in fp32, results in the tensors' dtype; triton is 
 * :func:`unpermute_backward` one pass over the rows: ``grad_y[r] = w(asg[r]) * g[token of r]`` and
   ``grad_w(asg[r]) = <y[r], g[token of r]>`` (padding rows: zero gradient; assignments without a row: zero).
 * :func:`swiglu` ``silu(g) * u`` whose backward recomputes silu from the saved ``g`` and ``u`` (the reference
-  autograd graph keeps ``silu(g)`` as a third [R, F] tensor and runs five elementwise passes).
+  autograd graph keeps ``silu(g)`` as a third [R, F] tensor and runs five elementwise passes); with row weights
+  ``silu(g) * u * p`` (the combine weights applied before the down projection) and their gradient, a row sum.
 
 The dispatchers (``_PermuteRows``, ``_UnpermuteRows``) and ``GroupedExperts`` call these through
 :func:`use_triton`; tests/test_moe_kernels.py checks every kernel against the reference (interpreter on CPU),
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-__all__ = ["ENV_VAR", "backend", "use_triton", "k_sum", "gather_rows", "unpermute_backward", "swiglu"]
+__all__ = ["ENV_VAR", "backend", "use_triton", "k_sum", "gather_rows", "unpermute_backward", "swiglu",
+           "swiglu_reference"]
 
 ENV_VAR = "LIGHTNING_MOE_KERNELS"
 _CHOICES = ("auto", "torch", "triton")
@@ -117,9 +119,9 @@ def _c(t: Tensor) -> Tensor:
 # ---- row movement -------------------------------------------------------------------------------------------------
 
 
-def k_sum(rows_RD: Tensor, pos_TK: Tensor, w_TK: Optional[Tensor] = None) -> Tensor:
-    """``out[t] = sum_k w[t, k] * rows[pos[t, k]]`` over ``pos >= 0`` (``w`` None: 1), fp32 accumulation, [T, D] in
-    rows' dtype."""
+def k_sum(rows_RD: Tensor, pos_TK: Tensor, w_TK: Optional[Tensor] = None, rows2_RD: Optional[Tensor] = None) -> Tensor:
+    """``out[t] = sum_k w[t, k] * (rows[pos[t, k]] + rows2[pos[t, k]])`` over ``pos >= 0`` (``w`` None: 1; ``rows2``
+    None: no second term; it saves materialising ``rows + rows2``), fp32 accumulation, [T, D] in rows' dtype."""
     T, k = pos_TK.shape
     D = rows_RD.shape[1]
     out = rows_RD.new_empty(T, D)
@@ -127,11 +129,14 @@ def k_sum(rows_RD: Tensor, pos_TK: Tensor, w_TK: Optional[Tensor] = None) -> Ten
         return out
     if rows_RD.shape[0] == 0:  # no rows: every pos is -1
         return out.zero_()
+    assert rows2_RD is None or rows2_RD.shape == rows_RD.shape
     block, warps = _row_block(D)
-    w = _c(w_TK) if w_TK is not None else pos_TK  # placeholder pointer, unread without HAS_W
+    rows = _c(rows_RD)
+    w = _c(w_TK) if w_TK is not None else pos_TK  # placeholder pointers, unread without HAS_W / HAS_ROWS2
+    rows2 = _c(rows2_RD).to(rows.dtype) if rows2_RD is not None else rows
     _kernels().k_sum_kernel[(T, _cdiv(D, block))](
-        _c(rows_RD), _c(pos_TK), w, out, D, K=k, HAS_W=w_TK is not None, BLOCK_D=block,
-        num_warps=warps)
+        rows, rows2, _c(pos_TK), w, out, D, K=k, HAS_W=w_TK is not None, HAS_ROWS2=rows2_RD is not None,
+        BLOCK_D=block, num_warps=warps)
     return out
 
 
@@ -203,8 +208,47 @@ def _elementwise(kernel, *tensors: Tensor) -> None:
         kernel[(_cdiv(n, _EW_BLOCK),)](*tensors, n, BLOCK=_EW_BLOCK, num_warps=_EW_WARPS)
 
 
-def swiglu(g: Tensor, u: Tensor) -> Tensor:
-    """``silu(g) * u`` (same shapes): the fused kernel when :func:`use_triton`, else the PyTorch expression."""
+class _SwiGLUProbs(torch.autograd.Function):
+    """h = silu(g) * u * p[:, None] with fp32 math; saves g, u and p, the backward recomputes silu and reduces
+    dp over each row (one program per row: no atomics, a fixed summation order)."""
+
+    @staticmethod
+    def forward(ctx, g_RF: Tensor, u_RF: Tensor, p_R: Tensor) -> Tensor:
+        dtype = torch.promote_types(g_RF.dtype, u_RF.dtype)
+        g, u, p = _c(g_RF).to(dtype), _c(u_RF).to(dtype), _c(p_R).float()
+        ctx.save_for_backward(g, u, p)
+        ctx.p_dtype = p_R.dtype
+        h = torch.empty_like(g)
+        R, F_ = g.shape
+        if h.numel():
+            block, warps = _row_block(F_)
+            _kernels().swiglu_probs_fwd_kernel[(R, _cdiv(F_, block))](g, u, p, h, F_, BLOCK_F=block, num_warps=warps)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        g, u, p = ctx.saved_tensors
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        need_dp = ctx.needs_input_grad[2]
+        dp = torch.zeros_like(p) if need_dp else None
+        R, F_ = g.shape
+        if g.numel():
+            block, warps = _row_block(F_)
+            _kernels().swiglu_probs_bwd_kernel[(R,)](g, u, p, _c(dh).to(g.dtype), dg, du, dp if need_dp else p, F_,
+                                                     NEED_DP=need_dp, BLOCK_F=block, num_warps=warps)
+        return dg, du, (dp.to(ctx.p_dtype) if need_dp else None)
+
+
+def swiglu(g: Tensor, u: Tensor, p_R: Optional[Tensor] = None) -> Tensor:
+    """``silu(g) * u`` (same shapes), times ``p_R[:, None]`` when row weights are given (the combine weights applied
+    inside the experts, in fp32): the fused kernel when :func:`use_triton`, else the PyTorch expression."""
     if use_triton(g):
-        return _SwiGLU.apply(g, u)
-    return F.silu(g) * u
+        return _SwiGLU.apply(g, u) if p_R is None else _SwiGLUProbs.apply(g, u, p_R)
+    return swiglu_reference(g, u, p_R)
+
+
+def swiglu_reference(g: Tensor, u: Tensor, p_R: Optional[Tensor] = None) -> Tensor:
+    """The PyTorch expression of :func:`swiglu`: ``silu(g) * u``, times the row weights when given (cast to h's
+    dtype, so autograd keeps h and the [R] weights, no fp32 copy of h; the fused kernel multiplies in fp32)."""
+    h = F.silu(g) * u
+    return h if p_R is None else h * p_R.to(h.dtype).unsqueeze(1)

@@ -7,6 +7,8 @@ the expert weights into DTensors; nothing here looks up a process group.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,6 +45,17 @@ class RoutingStats:
         return (self.tokens_per_expert, self.num_dropped, self.num_tokens, self.aux_loss, self.z_loss, self.entropy)
 
 
+@functools.lru_cache(maxsize=None)
+def _class_forward_takes(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.forward).parameters
+
+
+def _forward_takes(module: nn.Module, name: str) -> bool:
+    """Whether the module's class ``forward`` has parameter ``name`` (a registered subclass may override forward
+    with the older signature; instance-level wrappers, e.g. recomputation's, pass everything through)."""
+    return _class_forward_takes(type(module), name)
+
+
 @torch.no_grad()
 def _entropy_sum(scores_TE: Optional[Tensor], valid_T: Optional[Tensor], device: torch.device) -> Tensor:
     """Sum over valid tokens of ``-sum_e p log p`` of the normalised scores (two kernels, no host sync)."""
@@ -72,7 +85,12 @@ class MoELayer(nn.Module):
             (real, i.e. non-padding, tokens on this process).
         Training forwards also add to the statistics :meth:`pop_routing_stats` returns (once per optimizer step).
         Forwards re-run by activation checkpointing (inside backward) leave all of these untouched.
+
+    ``regather_rows`` (default True): on one process with the fused CUDA kernels, the experts gather their rows
+    from the tokens (again in the backward) rather than keeping them; False keeps the dispatcher's copy (benchmarks).
     """
+
+    regather_rows = True
 
     def __init__(
         self,
@@ -133,9 +151,25 @@ class MoELayer(nn.Module):
         routing: RoutingResult = self.router(x_TD, valid_T, seq_len=S)
         self._record(routing, valid_T, B * S, x_TD.device)
 
-        x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, routing, self.num_experts)
-        y_RD = self.experts(x_RD, counts_e)
-        # combine in the input dtype (weights are fp32 in the router; the k-sum is in the input dtype)
+        # One process with the fused kernels: the experts gather their rows from x_TD themselves and again in the
+        # backward, keeping no [R, D] copy (k times x_TD) for their weight gradients. Else the dispatcher moves them.
+        if (self.regather_rows and isinstance(self.dispatcher, LocalDispatcher)
+                and _forward_takes(self.experts, "rows_from") and self.experts.gathers_rows(x_TD)):
+            counts_e, ctx = self.dispatcher.plan(routing, self.num_experts)
+            x_RD, rows_from = None, {"rows_from": (x_TD, ctx.asg_R, ctx.pos_TK)}
+        else:
+            x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, routing, self.num_experts)
+            rows_from = {}
+        # The combine weights go into the experts (scaling their activation before the down projection, as
+        # Megatron-Core does) when both sides can: the combine is then a plain sum whose backward keeps nothing of
+        # the [R, D] expert output. Otherwise combine weights the rows.
+        takes_probs = getattr(self.experts, "applies_row_probs", False) and _forward_takes(self.experts, "probs_R")
+        probs_R = self.dispatcher.row_probs(ctx) if takes_probs else None
+        if probs_R is None:
+            y_RD = self.experts(x_RD, counts_e, **rows_from)
+        else:
+            y_RD = self.experts(x_RD, counts_e, probs_R, **rows_from)
+        # combine in the input dtype (the k-sum accumulates in fp32 with the fused kernels)
         y_TD = self.dispatcher.combine(y_RD.to(x_TD.dtype), ctx)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)

@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import torch
 import torch.utils._pytree
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.autograd import in_backward
@@ -29,6 +28,7 @@ from lightning_moe.moe.losses import (
     topk_indices,
     z_loss,
 )
+from lightning_moe.moe.router_gemm import router_logits
 
 __all__ = ["RoutingResult", "TopKRouter", "group_limited_topk", "capacity_keep_mask"]
 
@@ -221,8 +221,8 @@ class TopKRouter(nn.Module):
             x_TD = x_TD.reshape(B * S, D)
             if padding_mask_T is not None:
                 padding_mask_T = padding_mask_T.reshape(B * S)
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        # fp32 logits; on CUDA with bf16 activations through bf16 tensor cores at fp32-level precision
+        logits_TE = router_logits(x_TD, self.weight)
         return self.route(logits_TE, padding_mask_T, seq_len)
 
     def route(

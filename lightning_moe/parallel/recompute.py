@@ -11,7 +11,7 @@ kind            region (seam)                                     not kept for t
 norm            every ``RMSNorm.forward``                         the fp32 copy of its input, its internals
 attn_core       ``core_attention`` (SDPA / flash); under cp the   the attention output and kernel state (the
                 local ``AllGatherKVAttention.kernel`` only        gathered K/V are kept, never gathered again)
-moe_act         ``GroupedExperts.act_down``: SwiGLU + down GEMM   silu(gate), the activation h (2 of 4 R x F)
+moe_act         ``GroupedExperts.act_down``: SwiGLU + down GEMM   the activation h (1 of 3 R x F)
 experts         ``GroupedExperts.forward`` (after dispatch)       gate, up, silu(gate), h (the routed rows are kept)
 shared_experts  ``SharedExperts.forward``                         its gate/up/activation intermediates
 mla_up_proj     ``MLAttention.up_proj``: q/kv norms + up-projs    the latent norms' fp32 copies and outputs
@@ -88,7 +88,7 @@ def apply_recompute(model: nn.Module, kinds: Sequence[str]) -> None:
             else:
                 _wrap(m, "core_attention")
         elif "moe_act" in kinds and isinstance(m, GroupedExperts):
-            _wrap(m, "act_down", num_inputs=2)  # inputs gate and up; the weight and offsets are captured
+            _wrap(m, "act_down", num_inputs=3)  # inputs gate, up, row weights; the weight and offsets are captured
         elif "shared_experts" in kinds and isinstance(m, SharedExperts):
             _wrap(m, "forward")
         if "experts" in kinds and isinstance(m, GroupedExperts):

@@ -89,6 +89,10 @@ class MoEParallelStrategy(ParallelStrategy):
             path (atomically, with its checksums) once written: at the next save, a load, or the end of fit.
         process_group_backend: None = nccl on CUDA, gloo on CPU.
         timeout: process group timeout.
+        free_grads_after_step: set the gradients to None right after each optimizer step (True by default).
+            Lightning zeroes them between the next forward and its backward, so without this the previous step's
+            gradients (2 bytes a parameter in bf16) stay allocated through every forward, at the step's memory
+            peak. Turn it off only if something reads ``.grad`` after the optimizer step.
     """
 
     strategy_name = "moe_parallel"
@@ -111,6 +115,7 @@ class MoEParallelStrategy(ParallelStrategy):
         async_save: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        free_grads_after_step: bool = True,
         **strategy_kwargs: Any,  # accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin
     ) -> None:
         strategy_kwargs.setdefault("checkpoint_io", SafeCheckpointIO())
@@ -136,6 +141,7 @@ class MoEParallelStrategy(ParallelStrategy):
         self._gloo_group: Optional[Any] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._free_grads_after_step = free_grads_after_step
         self._num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._tp_sync_modules: list[nn.Module] = []
@@ -370,8 +376,12 @@ class MoEParallelStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", nn.Module]] = None, **kwargs: Any) -> Any:
         module = self.lightning_module
-        return super().optimizer_step(optimizer, finalizing_closure(closure, partial(self.finalize_gradients, module)),
-                                      model, **kwargs)
+        out = super().optimizer_step(optimizer, finalizing_closure(closure, partial(self.finalize_gradients, module)),
+                                     model, **kwargs)
+        if self._free_grads_after_step:
+            # free them now rather than after the next forward (Lightning's zero_grad runs before the backward)
+            optimizer.zero_grad(set_to_none=True)
+        return out
 
     def finalize_gradients(self, module: "pl.LightningModule") -> StepResult:
         """Finalise the step's gradients (see :mod:`lightning_moe.parallel.finalize`) with this layout's groups."""
