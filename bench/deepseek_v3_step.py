@@ -27,8 +27,9 @@ the shared expert, the first layer's dense MLP and the LM head. Norms, RoPE, sof
 counted. The JSON also has ``mfu_noncausal`` (all S keys). Denominator: the measured bf16 matmul rate of this run.
 
 Run (repository root):
-    python bench/deepseek_v3_step.py --out bench/results/deepseek_v3_step_h200.json      # H200: about 3 minutes
-    python bench/deepseek_v3_step.py --smoke --profile --out /tmp/ds.json                  # CPU smoke test (seconds)
+    python bench/deepseek_v3_step.py --ours-variants auto+compile,auto --profile --out deepseek_v3_step.json
+        # H200: about 3-4 minutes (the default --time-limit 420 s caps the call at about 7)
+    python bench/deepseek_v3_step.py --smoke --profile --out /tmp/ds.json     # CPU smoke test (seconds)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _T_START = time.perf_counter()  # the time limit covers the whole call, imports 
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -154,7 +156,7 @@ def measure_copy_bandwidth(device: torch.device, reps: int = 20) -> dict[str, An
     for _ in range(3):
         dst.copy_(src)
     ts.sync(device)
-    t = statistics.median(time_fn(lambda: dst.copy_(src), reps, device))
+    t = statistics.median(time_fn(functools.partial(dst.copy_, src), reps, device))
     del src, dst
     ts.reset_memory(device)
     return {"tensor_bytes": nbytes, "reps": reps, "seconds": t, "bytes_per_s": 2 * nbytes / t}
@@ -438,11 +440,25 @@ def run_hf(cfg: Any, args: argparse.Namespace, device: torch.device, peak: Optio
     if losses:
         res["loss_first"], res["loss_last"] = losses[0], losses[-1]
     res.update(ts.timing_summary(times, args.warmup, args.batch_size * args.seq_len, fpt, peak))
+    release(model, opt)
     del model, opt, sched
     ts.reset_memory(device)
     res["allocated_after_free_gib"] = ts.allocated_gib(device)
     log(summary_line(res))
     return res
+
+
+def release(model: Any, opt: Any) -> None:
+    """Frees the model's and optimizer's device memory even if something still holds the objects (a hook, a cache):
+    train_step.py's transformers run once left 31 GiB allocated after its ``del``, and the runs after this one need
+    the whole GPU."""
+    if opt is not None:
+        opt.state.clear()
+    if model is not None:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                t.grad = None
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -464,9 +480,8 @@ def _status(r: dict[str, Any]) -> str:
         return "skipped"
     if r.get("error"):
         return "FAIL: " + r["error"][:100]
-    if not r.get("ok"):
-        return "NO (" + ts._why(r) + ")"
-    return "yes" + (" (time limit: fewer steps)" if r.get("stopped_by_time_limit_after_steps") else "")
+    cut = " (time limit: fewer steps)" if r.get("stopped_by_time_limit_after_steps") else ""
+    return ("yes" if r.get("ok") else "NO (" + ts._why(r) + ")") + cut
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -523,11 +538,13 @@ def report_text(report: dict[str, Any], runs: list[dict[str, Any]], budget: Budg
                  f"counts the {p['expert_bias_buffer_entries']} expert-bias entries that both models keep as buffers "
                  f"(expert_bias / e_score_correction_bias), not parameters")
     lines += ["", table(runs), ""]
+    lines += [r["skipped"] for r in runs if r.get("skipped")]
     for q in report["comparison"]["ratios"]:
         lines.append(f"ours / transformers: tokens/s {q['tokens_per_s_ratio']:.2f}x, peak memory "
                      f"{ts._fmt(q.get('peak_memory_ratio'), '.2f')}x  [{q['ours']} vs {q['hf']}]"
                      + ("" if q["same_first_batch"] else "  (WARNING: different first batches)"))
-    lines.append(f"total wall time {budget.elapsed():.0f}s (--time-limit {budget.limit_s:.0f}s); JSON {report['args']['out']}")
+    lines.append(f"total wall time {budget.elapsed():.0f}s (--time-limit {budget.limit_s:.0f}s); "
+                 f"JSON {report['args']['out']}")
     return "\n".join(lines)
 
 
