@@ -350,10 +350,26 @@ def hf_config(cfg: Any, impl: str) -> Any:
     return hcfg
 
 
+def hf_optimizer(model: Any, lr: float, steps: int, device: torch.device) -> tuple[Any, Any]:
+    """AdamW (fused on CUDA) and LR schedule of a plain-loop ``transformers`` model, as ``MoELanguageModel`` sets them
+    up: weight decay 0.1 except on 1-D parameters and the embedding table, betas 0.9/0.95, warmup 2 then cosine to
+    0.1x over ``steps``."""
+    from lightning_moe.module import warmup_cosine
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "embed_tokens" in name else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 2, max(steps, 1), 0.1))
+    return opt, sched
+
+
 def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
            device: torch.device, peak: Optional[dict], impl: str, dtype: torch.dtype) -> dict[str, Any]:
     from lightning_moe.data import TextDataModule
-    from lightning_moe.module import warmup_cosine
 
     res: dict[str, Any] = {"model": label, "impl": f"hf {impl}", "requested_experts_impl": impl, "seq_len": seq_len,
                            "batch_size": batch_size, "steps": args.steps, "lr": lr}
@@ -395,14 +411,7 @@ def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.N
         log(f"built in {res['build_s']:.1f}s: {n_params / 1e9:.3f}B params, experts={res['experts_impl']}, "
             f"attn={res['attn_impl']}")
 
-        decay, no_decay = [], []
-        for name, p in model.named_parameters():
-            (no_decay if p.ndim < 2 or "embed_tokens" in name else decay).append(p)
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 2, max(args.steps, 1), 0.1))
+        opt, sched = hf_optimizer(model, lr, args.steps, device)
 
         # the same batches in the same order as the Lightning run (its sampler is seeded, epoch 0)
         dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
