@@ -55,7 +55,10 @@ def test_smoke_run_of_the_whole_script(tmp_path):
         assert r["tokens_per_s"] > 0 and r["mfu_causal"] > 0 and r["mfu_noncausal"] > r["mfu_causal"]
         opt = r["optimizer_step"]
         assert opt["seconds"] > 0 and opt["bound_s"] > 0 and opt["ratio_to_bound"] > 0, opt
-        assert opt["grads_filled_with_zeros"] == 0  # the last step's gradients were still there
+        if r is hf:  # the plain loop keeps its last step's gradients
+            assert opt["grads_filled_with_zeros"] == 0
+        else:  # MoEParallelStrategy freed them after the optimizer step: zeros stand in (the same bytes move)
+            assert opt["grads_filled_with_zeros"] > 0
         assert r["loss_first"] > r["loss_last"]
     assert "aten::" in ours["profile_top"]
     assert ours["timed_steps"] == 1  # steps 2, warmup 0, the last step profiled and not timed
