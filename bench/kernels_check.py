@@ -182,6 +182,9 @@ def check_shape(rows, name, dev):
     x = torch.randn(T, D, device=dev, dtype=bf)
     w = torch.randn(E, D, device=dev) * 0.02
     check_op(rows, name, "router logits", router_logits, [x, w], dev)
+    # ... and inside a compiled region (MoEParallelStrategy(compile=True) compiles the router)
+    check_op(rows, name, "router logits compiled", torch.compile(lambda x_, w_: router_logits(x_, w_) * 1.0), [x, w],
+             dev)
     # gate + up GEMMs on gathered rows: the dispatcher's gather + torch._grouped_mm autograd (torch) vs
     # _GatherGateUp (gathers again in backward, keeps no rows; its dx summed into tokens by one k-sum)
     e_loc = min(E, 64) if not ARGS.small else E  # the expert weights of all E experts would not matter more

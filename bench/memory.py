@@ -57,7 +57,7 @@ def run_setting(label: str, ac: Any, offload: Optional[list[str]], cfg: Any, bat
     from lightning_moe.callbacks import ActivationOffload
 
     callbacks = (ActivationOffload(offload),) if offload else ()
-    strategy = MoEParallelStrategy(activation_checkpointing=ac)
+    strategy = MoEParallelStrategy(activation_checkpointing=ac, compile=args.compile)
     r = ts.run_ours(label, cfg, args.seq_len, batch, args, args.lr, device, None, timed=True, strategy=strategy,
                     extra_callbacks=callbacks)
     r.update(setting=label, activation_checkpointing=ac, offload=offload)
@@ -110,6 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", default=None, help="comma list of setting labels to run (default: all)")
+    p.add_argument("--compile", action="store_true", help="every setting with MoEParallelStrategy(compile=True)")
     p.add_argument("--out", default="bench_memory.json")
     args = p.parse_args(argv)
     # the attributes run_ours and qwen_config read

@@ -27,13 +27,16 @@ sys.path.insert(0, str(_BENCH))
 sys.path.insert(0, str(_BENCH.parent))
 
 import torch  # noqa: E402
+import torch.utils._pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import train_step as ts  # noqa: E402
 
 
 class _Producers(TorchDispatchMode):
-    """Records the op that first produced each storage (by data pointer)."""
+    """Records the op that last allocated each storage (by data pointer: the caching allocator reuses addresses, so
+    the latest allocation at an address is the live tensor's); views and in-place results (an output sharing an
+    input's storage) do not count as producers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,9 +44,13 @@ class _Producers(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor) and a.device.type != "meta"}
         for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor) and o.device.type != "meta":
-                self.by_storage.setdefault(o.untyped_storage().data_ptr(), func.overloadpacket.__name__)
+                ptr = o.untyped_storage().data_ptr()
+                if ptr not in inputs:
+                    self.by_storage[ptr] = func.overloadpacket.__name__
         return out
 
 

@@ -258,11 +258,12 @@ class _GatherGateUp(torch.autograd.Function):
                                    rows2_RD=torch._grouped_mm(du, w3, offs=offs_e))
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             x_RD = kernels.gather_rows(x_TD, asg_R, pos_TK.shape[1])
-            # [E, D, F] = x[g].T @ d[g], the layout torch's grouped-GEMM backward produces; w grads are its transpose
+            # [E, F, D] = d[g].T @ x[g]: contiguous like the weights (as torch's own grouped-GEMM backward gives
+            # them); a transposed [E, D, F] result would make AccumulateGrad copy it with a strided transpose
             if ctx.needs_input_grad[3]:
-                grad_w1 = torch._grouped_mm(x_RD.t(), dg, offs=offs_e).transpose(-2, -1)
+                grad_w1 = torch._grouped_mm(dg.t(), x_RD, offs=offs_e)
             if ctx.needs_input_grad[4]:
-                grad_w3 = torch._grouped_mm(x_RD.t(), du, offs=offs_e).transpose(-2, -1)
+                grad_w3 = torch._grouped_mm(du.t(), x_RD, offs=offs_e)
         return grad_x, None, None, grad_w1, grad_w3, None
 
 

@@ -78,6 +78,13 @@ def use_split_bf16(x_TD: Tensor, w_ED: Tensor) -> bool:
             and not isinstance(w_ED, DTensor) and not isinstance(x_TD, DTensor) and kernels.backend() != "torch")
 
 
+@torch.compiler.disable
+def _split_linear(x_TD: Tensor, w_ED: Tensor) -> Tensor:
+    # Eager even inside a compiled region (a graph break): the split relies on ``mm(..., out_dtype=float32)`` keeping
+    # every bf16 x bf16 product in an fp32 accumulator, which a compiler lowering may not preserve.
+    return _SplitBF16Linear.apply(x_TD.to(torch.bfloat16), w_ED.float())
+
+
 def router_logits(x_TD: Tensor, w_ED: Tensor, split: bool | None = None) -> Tensor:
     """fp32 logits ``x @ w.T`` [T, E] (autocast off). ``split`` None: :func:`use_split_bf16` decides; True forces
     the split-bf16 algebra (tests: on CPU it runs fp32 matmuls of the bf16 terms)."""
@@ -85,5 +92,5 @@ def router_logits(x_TD: Tensor, w_ED: Tensor, split: bool | None = None) -> Tens
         split = use_split_bf16(x_TD, w_ED)
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
         if split:
-            return _SplitBF16Linear.apply(x_TD.to(torch.bfloat16), w_ED.float())
+            return _split_linear(x_TD, w_ED)
         return F.linear(x_TD.float(), w_ED.float())
