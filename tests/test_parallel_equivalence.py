@@ -41,6 +41,8 @@ W2_LAYOUTS = {
     "MLA tp=2": dict(layout=dict(tp=2, dp_shard=1), **DSV3),
     "MLA tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), **DSV3),
     "MLA without q compression, tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), **DSV3_NO_Q_LORA),
+    "MLA tp=2 ep=2, recompute full + mla_up_proj + attn_core": dict(
+        layout=dict(tp=2, ep=2, dp_shard=1, activation_checkpointing=["full", "mla_up_proj", "attn_core"]), **DSV3),
     # padded batches (leading and trailing padding; see parallel_harness.PAD_PATTERNS)
     "padded, tp=2": dict(layout=dict(tp=2, dp_shard=1), padded=True),
     "padded, tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), padded=True),
