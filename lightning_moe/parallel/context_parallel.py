@@ -130,7 +130,9 @@ class AllGatherKVAttention:
 
     ``key_valid_BS``: bool [B, S], True = real token, for this rank's keys; None = all real. A rank whose tokens
     are all real may pass None while another passes a mask (the model drops an all-real mask): the validity is
-    always gathered, with the positions in one collective, so every rank issues the same collectives.
+    always gathered, with the positions in one collective, so every rank issues the same collectives. The mask is
+    therefore [B, 1, S, L] (batch dim included) even without padding: telling "no rank has padding" apart would
+    cost a host sync per layer.
 
     Note: the boolean mask keeps SDPA off the flash kernel (the memory-efficient or math kernel runs instead).
     """

@@ -36,9 +36,9 @@ from lightning_moe.parallel.recompute import apply_recompute
 
 def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
     """Megatron-style TP with sequence parallel on embeddings, attention (GQA, or MLA with heads split after its
-    latent projections), dense MLPs and the LM head. Returns the
-    modules whose parameters are tp-replicated but fed distinct tokens: their gradients must be summed over tp
-    (modules, not parameters: FSDP later swaps the parameter objects)."""
+    latent projections), dense MLPs and the LM head. Returns the modules whose parameters are tp-replicated but fed
+    distinct tokens: their gradients must be summed over tp (modules, not parameters: FSDP later swaps the parameter
+    objects)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,

@@ -22,8 +22,8 @@ outside every region, and the hooks of FSDP2 and tensor parallelism sit on modul
 ``forward`` methods (under tp, ``mla_up_proj`` holds the column-parallel up-projections' DTensor wrapping, which
 communicates only in the backward: the all-reduce of their input gradient, run once). ``full`` (whole blocks,
 :func:`~lightning_moe.parallel.parallelize.apply_ac`) may be combined with kinds: they then nest inside the block's
-recomputation. Wrapping sets instance attributes only: state-dict
-keys are unchanged. The router is never inside a region, so routing statistics are recorded once.
+recomputation. Wrapping sets instance attributes only: state-dict keys are unchanged. The router is never inside a
+region, so routing statistics are recorded once.
 """
 
 from __future__ import annotations
