@@ -10,7 +10,8 @@ Two views:
   component           split over                             why
   ==================  =====================================  ============================================
   embedding, lm_head  tp (vocab rows) x dp_shard*cp (FSDP)   Rowwise / Colwise TP, FSDP2 on the dense mesh
-  attention           tp (heads) x dp_shard*cp               per-head qk norms are tp-replicated
+  attention           tp (heads) x dp_shard*cp               per-head qk norms are tp-replicated; MLA's latent
+                                                             down-projections and norms too (heads split after)
   dense_mlp           tp (hidden) x dp_shard*cp
   norms, final_norm   dp_shard*cp                            SequenceParallel: replicated over tp
   router              dp_shard*cp                            replicated over tp; fp32 under every precision;

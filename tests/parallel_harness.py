@@ -20,15 +20,39 @@ STEPS = 3
 LR = 0.5
 
 
-def small_config(**moe_overrides: Any) -> ModelConfig:
+# DeepSeek-V3's shape in small: MLA with q compression and YaRN, sigmoid group-limited routing with a scaling factor,
+# expert bias, sequence aux loss and a shared expert (the last from small_config's MoE defaults)
+DEEPSEEK_V3_TINY = dict(
+    attention="mla", qk_norm="none", q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, rope_scaling=dict(factor=4.0, original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0,
+                                     mscale=1.0, mscale_all_dim=1.0),
+)
+DEEPSEEK_V3_MOE = dict(num_groups=2, group_topk=1, norm_topk_prob=True, scaling_factor=2.5)
+# (leading, trailing) padding of sample i: PAD_PATTERNS[i % 4]. Under cp=2 only cp rank 0's chunks (positions 0-3
+# and 12-15) hold padding, so cp rank 1 runs without a mask while rank 0 masks; both tp halves hold some.
+PAD_PATTERNS = ((0, 0), (0, 3), (2, 0), (1, 2))
+
+
+def small_config(model: Optional[dict[str, Any]] = None, **moe_overrides: Any) -> ModelConfig:
+    """The suite's tiny MoE config; ``model``: ModelConfig field overrides (e.g. :data:`DEEPSEEK_V3_TINY`)."""
     moe = dict(num_experts=4, top_k=2, expert_hidden_size=32, score_func="sigmoid", expert_bias=True,
                bias_update_rate=1e-2, aux_loss_type="seq", aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
                shared_expert_hidden_size=32, first_k_dense=1)
     moe.update(moe_overrides)
-    return ModelConfig.from_preset(
-        "tiny", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, dense_hidden_size=64,
-        max_seq_len=32, qk_norm="head", moe=moe,
-    )
+    fields = dict(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, dense_hidden_size=64,
+                  max_seq_len=32, qk_norm="head", moe=moe)
+    fields.update(model or {})
+    return ModelConfig.from_preset("tiny", **fields)
+
+
+def attention_masks(num_samples: int) -> torch.Tensor:
+    """[N, SEQ_LEN] int64, 0 = padding, after :data:`PAD_PATTERNS`."""
+    mask = torch.ones(num_samples, SEQ_LEN, dtype=torch.long)
+    for i in range(num_samples):
+        lead, trail = PAD_PATTERNS[i % len(PAD_PATTERNS)]
+        mask[i, :lead] = 0
+        mask[i, SEQ_LEN - trail:] = 0
+    return mask
 
 
 def reference_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -47,24 +71,27 @@ def global_tokens(num_samples: int) -> torch.Tensor:
 
 
 class _Rows(Dataset):
-    def __init__(self, tokens: torch.Tensor) -> None:
-        self.tokens = tokens
+    def __init__(self, tokens: torch.Tensor, masks: Optional[torch.Tensor] = None) -> None:
+        self.tokens, self.masks = tokens, masks
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[i]}
+        row = {"input_ids": self.tokens[i]}
+        if self.masks is not None:
+            row["attention_mask"] = self.masks[i]
+        return row
 
 
 class FixedData(L.LightningDataModule):
     """Global step s holds samples [s*G, (s+1)*G); rank r of the batch view reads samples r, r+R, ...
     (DistributedSampler without shuffling), so the union over ranks of a step is the same global batch."""
 
-    def __init__(self, micro_batch: int, num_samples: int) -> None:
+    def __init__(self, micro_batch: int, num_samples: int, padded: bool = False) -> None:
         super().__init__()
         self.micro_batch = micro_batch
-        self.ds = _Rows(global_tokens(num_samples))
+        self.ds = _Rows(global_tokens(num_samples), attention_masks(num_samples) if padded else None)
 
     def train_dataloader(self) -> DataLoader:
         kw = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
@@ -96,14 +123,16 @@ class EquivalenceModel(MoELanguageModel):
 
 
 def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1, clip: Optional[float] = None,
-          moe: Optional[dict[str, Any]] = None, loss_impl: str = "auto") -> dict[str, Any]:
+          moe: Optional[dict[str, Any]] = None, loss_impl: str = "auto", model: Optional[dict[str, Any]] = None,
+          padded: bool = False) -> dict[str, Any]:
     """Train STEPS SGD steps on the fixed data under ``layout`` (None = one process, default strategy); return
-    the per-step losses, the full final state dict, and every rank's expert biases."""
+    the per-step losses, the full final state dict, and every rank's expert biases. ``model``: ModelConfig
+    overrides; ``padded``: batches carry attention masks after :data:`PAD_PATTERNS`."""
     from lightning_moe import MoEParallelStrategy
 
-    cfg = small_config(**(moe or {}))
+    cfg = small_config(model, **(moe or {}))
     weights = reference_state_dict(cfg)
-    model = EquivalenceModel(cfg, weights, loss_impl)
+    module = EquivalenceModel(cfg, weights, loss_impl)
     layout = dict(layout or {})
     dp = 1
     if layout:
@@ -123,13 +152,13 @@ def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )
-    trainer.fit(model, datamodule=FixedData(micro, GLOBAL_BATCH * STEPS))
+    trainer.fit(module, datamodule=FixedData(micro, GLOBAL_BATCH * STEPS, padded))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model.model, options=StateDictOptions(full_state_dict=True))
+    full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in full.items()}
-    biases = [layer.router.expert_bias.detach().cpu().clone() for layer in model.model.moe_layers()]
-    return {"losses": model.step_losses, "state": full, "biases": biases}
+    biases = [layer.router.expert_bias.detach().cpu().clone() for layer in module.model.moe_layers()]
+    return {"losses": module.step_losses, "state": full, "biases": biases}
 
 
 def compare(result: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-5) -> list[str]:

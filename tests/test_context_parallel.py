@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from _dist import run_distributed
 from lightning_moe.config import ModelConfig
-from lightning_moe.models.transformer import CoreAttention, MoETransformer
+from lightning_moe.models.transformer import CoreAttention, MoETransformer, expand_kv
 from lightning_moe.parallel.context_parallel import AllGatherKVAttention, cp_shard_indices, shard_batch_for_cp
 
 RTOL = 1e-5
@@ -89,31 +89,68 @@ def test_shard_batch_errors():
 # ------------------------------------------------------------------------------------------------- multi-rank
 
 
-def _attention_case(rank, world, B, H, S, Kqk, Kv, scale, seed, idx=None):
+def _attention_case(rank, world, B, H, S, Kqk, Kv, scale, seed, idx=None, G=None, P=0, padded=False, valid=None):
+    """Random q [B, H, S, Kqk], k [B, G, S, Kqk - P], v [B, G, S, Kv] and, with P > 0, a shared key part
+    [B, 1, S, P] (MLA's RoPE key); with ``padded`` a key padding mask with zeros on every rank's tokens, or the
+    given ``valid`` [B, S]. A rank whose tokens are all real passes no mask, as the model does."""
+    G = G or H
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, S, Kqk, generator=g, requires_grad=True)
-    k = torch.randn(B, H, S, Kqk, generator=g, requires_grad=True)
-    v = torch.randn(B, H, S, Kv, generator=g, requires_grad=True)
+    k = torch.randn(B, G, S, Kqk - P, generator=g, requires_grad=True)
+    v = torch.randn(B, G, S, Kv, generator=g, requires_grad=True)
+    ks = torch.randn(B, 1, S, P, generator=g, requires_grad=True) if P else None
     go = torch.randn(B, H, S, Kv, generator=g)  # upstream gradient
-    ref = CoreAttention()(q, k, v, None, scale, torch.arange(S))
+    if padded:
+        valid = torch.ones(B, S, dtype=torch.bool)
+        valid[0, :3] = False  # leading padding
+        valid[-1, S - 5:] = False  # trailing padding
+        valid[-1, S // 2] = False  # a hole in the middle
+    full = (q, k, v) + ((ks,) if P else ())
+    ref = CoreAttention()(q, k, v, valid, scale, torch.arange(S), ks)
     (ref * go).sum().backward()
 
     if idx is None:
         idx = cp_shard_indices(S, world, rank)
-    ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_(True) for t in (q, k, v))
+    local = [t.detach()[:, :, idx].clone().requires_grad_(True) for t in full]
     attn = AllGatherKVAttention(dist.group.WORLD)
-    out = attn(ql, kl, vl, None, scale, idx)
+    gathered = []
+    gather = attn._gather_seq
+    attn._gather_seq = lambda x: gathered.append(tuple(x.shape)) or gather(x)
+    lvalid = None if valid is None or bool(valid[:, idx].all()) else valid[:, idx]
+    out = attn(*local[:3], lvalid, scale, idx, *local[3:])
+    # K/V travel compact: G kv heads, and the shared key part once (expand_kv runs after the gather)
+    assert gathered == [(B, G, len(idx), Kqk - P), (B, G, len(idx), Kv)] + ([(B, 1, len(idx), P)] if P else [])
     _assert_rel(out, ref.detach()[:, :, idx], what="output")
     (out * go[:, :, idx]).sum().backward()
-    for name, full, local in (("q", q, ql), ("k", k, kl), ("v", v, vl)):
-        placed = torch.zeros_like(full)
-        placed[:, :, idx] = local.grad
+    for name, t, lt in zip("qkvs", full, local):
+        placed = torch.zeros_like(t)
+        placed[:, :, idx] = lt.grad
         dist.all_reduce(placed)
-        _assert_rel(placed, full.grad, what=f"grad {name}")
+        _assert_rel(placed, t.grad, what=f"grad {name}")
+    return out.detach(), [t.detach() for t in local], lvalid, idx
 
 
-def _tiny_model_case(rank, world):
-    cfg = ModelConfig.from_preset("tiny")
+def _gather_before_repeat_is_exact(rank, world):
+    """Gathering G kv heads and one shared key part, then expanding, gives bitwise the output of gathering the
+    expanded tensors (what context parallel did before)."""
+    out, (q, k, v, ks), valid, idx = _attention_case(rank, world, B=2, H=4, S=16, Kqk=12, Kv=8, scale=0.3, seed=3,
+                                                      G=2, P=4, padded=True)
+    k_full, v_full = expand_kv(4, k, v, ks)
+    old = AllGatherKVAttention(dist.group.WORLD)(q, k_full, v_full, valid, 0.3, idx)
+    assert torch.equal(out, old)
+
+
+def _padded_ids(cfg, B, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :5] = 0  # leading padding: on both ranks' chunks of a 32-token sequence (cp=2: 8-token chunks)
+    mask[1, S - 11:] = 0  # trailing padding
+    return ids, mask, g
+
+
+def _tiny_model_case(rank, world, padded=False, **overrides):
+    cfg = ModelConfig.from_preset("tiny", **overrides)
     with torch.device("meta"):
         model = MoETransformer(cfg)
     model.to_empty(device="cpu")
@@ -124,13 +161,14 @@ def _tiny_model_case(rank, world):
             dist.broadcast(t, src=0)
 
     B, S = 2, 32
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    ids, mask, g = _padded_ids(cfg, B, S, seed=1)
+    if not padded:
+        mask = None
     labels = torch.roll(ids, -1, dims=1)  # any full-sequence labels (the loss here does not use them)
     go = torch.randn(B, S, cfg.vocab_size, generator=g)
 
     ref_model = copy.deepcopy(model)
-    ref = ref_model(ids, None, torch.arange(S))
+    ref = ref_model(ids, mask, torch.arange(S))
     (ref * go).sum().backward()
 
     n_attn = 0
@@ -138,9 +176,10 @@ def _tiny_model_case(rank, world):
         block.attention.core_attention = AllGatherKVAttention(dist.group.WORLD)
         n_attn += 1
     assert n_attn == cfg.num_layers
-    local = shard_batch_for_cp({"input_ids": ids, "labels": labels}, world, rank)
+    batch = {"input_ids": ids, "labels": labels, **({"attention_mask": mask} if padded else {})}
+    local = shard_batch_for_cp(batch, world, rank)
     pos = local["position_ids"]
-    out = model(local["input_ids"], None, pos)
+    out = model(local["input_ids"], local.get("attention_mask"), pos)
     _assert_rel(out, ref.detach()[:, pos], what="logits")
     assert torch.equal(local["labels"], labels[:, pos])
     (out * go[:, pos]).sum().backward()
@@ -149,6 +188,10 @@ def _tiny_model_case(rank, world):
         grad = p.grad.clone()
         dist.all_reduce(grad)  # each rank's tokens contribute their part of the gradient
         _assert_rel(grad, ref_grads[name].grad, rtol=1e-4, what=f"grad {name}")
+
+
+MLA = dict(attention="mla", qk_norm="none", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=16)
 
 
 def _cp_suite(rank, world):
@@ -160,16 +203,17 @@ def _cp_suite(rank, world):
     # any split works, not just the load-balanced one: rank r holds cp=4 shards r and r + 2 (4 chunks each)
     idx4 = torch.cat([cp_shard_indices(32, 4, rank), cp_shard_indices(32, 4, rank + 2)])
     _attention_case(rank, world, B=1, H=2, S=32, Kqk=8, Kv=8, scale=None, seed=2, idx=idx4)
-    # padding masks are refused
-    attn = AllGatherKVAttention(dist.group.WORLD)
-    x = torch.zeros(1, 1, 4, 2)
-    try:
-        attn(x, x, x, torch.ones(1, 1, 4, 8, dtype=torch.bool), None, torch.arange(4))
-    except ValueError as e:
-        assert "pack sequences instead" in str(e)
-    else:
-        raise AssertionError("padding mask was accepted")
+    # GQA kv heads and MLA's shared key part gathered compact, with key padding on every rank
+    _attention_case(rank, world, B=2, H=4, S=16, Kqk=8, Kv=8, scale=None, seed=4, G=2, padded=True)
+    _attention_case(rank, world, B=2, H=2, S=16, Kqk=24, Kv=16, scale=0.3, seed=5, P=8, padded=True)
+    _gather_before_repeat_is_exact(rank, world)
+    # one rank without padding in its tokens passes no mask while the other masks: same collectives, right result
+    lead = torch.arange(16)[None] >= 3
+    _attention_case(rank, world, B=1, H=2, S=16, Kqk=8, Kv=8, scale=None, seed=6, idx=torch.arange(8) + 8 * rank,
+                    valid=lead)
     _tiny_model_case(rank, world)
+    _tiny_model_case(rank, world, padded=True)
+    _tiny_model_case(rank, world, padded=True, **MLA)
     return True
 
 

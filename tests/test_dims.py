@@ -136,10 +136,14 @@ def test_hidden_sizes_not_divisible_by_tp():
     P(4, tp=4).validate(tiny(num_kv_heads=4, moe=dict(shared_expert_hidden_size=130)))
 
 
-def test_tp_with_mla_or_full_qk_norm_is_rejected():
-    with raises("tp=2 is not supported with MLA attention yet: set tp=1"):
-        P(2, tp=2).validate(tiny(attention="mla", num_kv_heads=4, qk_norm="none", kv_lora_rank=16,
-                                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16))
+def test_tp_with_mla_splits_heads_and_full_qk_norm_is_rejected():
+    mla = dict(attention="mla", qk_norm="none", kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+               v_head_dim=16)
+    P(2, tp=2).validate(tiny(num_kv_heads=1, **mla))  # kv heads mean nothing for MLA: only num_heads is split
+    P(4, tp=4, ep=4).validate(tiny(num_kv_heads=1, q_lora_rank=24, **mla))
+    with raises("tp=8 does not divide num_heads=4 (tensor parallel splits MLA's heads after its latent "
+                "projections): choose tp in {1, 2, 4}, or num_heads a multiple of 8"):
+        P(8, tp=8).validate(tiny(num_kv_heads=1, **mla))
     with raises("qk_norm='full' normalises over all heads and cannot be split by tp=2"):
         P(2, tp=2).validate(tiny(qk_norm="full"))
 

@@ -408,6 +408,8 @@ def _ep_rank_reads(rank: int, world_size: int, path: str, out: str, model_type: 
     ("deepseek_v3", dict(ep=2), {("S(0)",)}),
     # ep=2 folded over tp=2: attention / dense MLP / shared linears Shard(0) or Shard(1) over tp
     ("qwen3_moe", dict(tp=2, ep=2), {("S(0)",), ("S(1)",), ("R",)}),
+    # MLA under tp=2: the up-projections' rows (heads, with DeepSeek's interleaved rope rows) Shard(0) over tp
+    ("deepseek_v3", dict(tp=2, ep=2), {("S(0)",), ("S(1)",), ("R",)}),
 ])
 def test_ep2_import_reads_only_local_experts(name, sizes, placements, tmp_path):
     """2 gloo ranks: each rank's shards equal the one-process import, logits match transformers, each rank reads

@@ -321,18 +321,13 @@ def _layout_errors(rank: int, world_size: int) -> dict:
     from torch.utils.data import DataLoader, DistributedSampler
 
     class Data(L.LightningDataModule):
-        def __init__(self, seq_len: int, mask: bool = False, uneven: bool = False) -> None:
+        def __init__(self, seq_len: int, uneven: bool = False) -> None:
             super().__init__()
-            self.seq_len, self.mask, self.uneven = seq_len, mask, uneven
+            self.seq_len, self.uneven = seq_len, uneven
 
         def train_dataloader(self) -> DataLoader:
             ids = torch.randint(0, 200, (8, self.seq_len))
-            rows: Any = []
-            for i in range(ids.shape[0]):
-                row = {"input_ids": ids[i]}
-                if self.mask:
-                    row["attention_mask"] = (torch.arange(self.seq_len) < self.seq_len - 2).long()
-                rows.append(row)
+            rows: Any = [{"input_ids": row} for row in ids]
             bs = 2 if not self.uneven else 2 + dist.get_rank()
             return DataLoader(rows, batch_size=bs)
 
@@ -340,7 +335,6 @@ def _layout_errors(rank: int, world_size: int) -> dict:
         "tie_embeddings with tp": (dict(tp=2, dp_shard=1), dict(tie_embeddings=True), Data(SEQ_LEN)),
         "seq_len vs tp": (dict(tp=2, dp_shard=1), {}, Data(15)),
         "seq_len vs 2*cp": (dict(cp=2, dp_shard=1), {}, Data(14)),
-        "padding with tp": (dict(tp=2, dp_shard=1), {}, Data(SEQ_LEN, mask=True)),
         "pad_to_capacity with unequal tokens": (
             dict(ep=2), dict(moe=dict(capacity_factor=1.5, pad_to_capacity=True)), Data(SEQ_LEN, uneven=True)),
     }
@@ -373,7 +367,6 @@ def test_layout_problems_are_value_errors_before_step_one():
         "tie_embeddings with tp": "tie_embeddings=True cannot be combined with tp=2",
         "seq_len vs tp": "seq_len=15 is not divisible by 2",
         "seq_len vs 2*cp": "seq_len=14 is not divisible by 2*cp = 4",
-        "padding with tp": "padded batches (attention_mask with zeros) are not supported with tp=2",
         "pad_to_capacity with unequal tokens": "needs the same number of tokens on every rank",
     }
     for name, want in expect.items():

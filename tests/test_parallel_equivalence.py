@@ -6,6 +6,9 @@ experts, so the loss normalisation, the routers' reduction groups and the bias u
 expert bias must be bitwise identical on every rank. Two cases use the global aux loss (counts over every rank),
 which is layout-invariant too. The micro-batch "aux" loss is per data-parallel rank by definition and is not
 compared; under gradient accumulation "global" sees one micro-batch at a time, so that case keeps "seq".
+DeepSeek-V3-shaped cases (MLA, group-limited routing, a shared expert) cover MLA under tensor parallelism; padded
+cases (leading and trailing padding, no accumulation: the per-micro-batch z-loss normaliser is not accumulation-
+invariant once micro-batches hold different numbers of real tokens) cover the masks under tp and cp.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_distributed
-from parallel_harness import compare, train
+from parallel_harness import DEEPSEEK_V3_MOE, DEEPSEEK_V3_TINY, compare, train
+
+DSV3 = dict(model=DEEPSEEK_V3_TINY, moe=DEEPSEEK_V3_MOE)
+DSV3_NO_Q_LORA = dict(model={**DEEPSEEK_V3_TINY, "q_lora_rank": None}, moe=DEEPSEEK_V3_MOE)
 
 W2_LAYOUTS = {
     "dp_shard=2": dict(layout=dict(dp_shard=2)),
@@ -31,6 +37,17 @@ W2_LAYOUTS = {
     "chunked linear cross-entropy, ep=2 (FSDP dp_shard=2)": dict(layout=dict(ep=2), loss_impl="chunked"),
     # 3 experts do not split over 2 FSDP ranks: the expert weights are sharded on their hidden dim D instead
     "experts FSDP-sharded on D, E=3 over edp=2": dict(layout=dict(dp_shard=2), moe=dict(num_experts=3)),
+    # DeepSeek-V3 shape: MLA heads split after the latent projections, group-limited routing, a shared expert
+    "MLA tp=2": dict(layout=dict(tp=2, dp_shard=1), **DSV3),
+    "MLA tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), **DSV3),
+    "MLA without q compression, tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), **DSV3_NO_Q_LORA),
+    "MLA tp=2 ep=2, recompute full + mla_up_proj + attn_core": dict(
+        layout=dict(tp=2, ep=2, dp_shard=1, activation_checkpointing=["full", "mla_up_proj", "attn_core"]), **DSV3),
+    # padded batches (leading and trailing padding; see parallel_harness.PAD_PATTERNS)
+    "padded, tp=2": dict(layout=dict(tp=2, dp_shard=1), padded=True),
+    "padded, tp=2 ep=2": dict(layout=dict(tp=2, ep=2, dp_shard=1), padded=True),
+    "padded, cp=2": dict(layout=dict(cp=2, dp_shard=1), padded=True),
+    "padded MLA, cp=2 ep=2": dict(layout=dict(cp=2, ep=2, dp_shard=1), padded=True, **DSV3),
 }
 W4_LAYOUTS = {
     "dp_shard=4 ep=2": dict(layout=dict(dp_shard=4, ep=2)),
@@ -38,6 +55,11 @@ W4_LAYOUTS = {
                                                    moe=dict(aux_loss_type="global")),
     "HSDP dp_replicate=2 x dp_shard=2 ep=2": dict(layout=dict(dp_replicate=2, dp_shard=2, ep=2)),
     "tp=2 x dp_shard=2 ep=2 etp=2": dict(layout=dict(tp=2, dp_shard=2, ep=2, etp=2)),
+    "padded MLA, tp=2 x cp=2 ep=2": dict(layout=dict(tp=2, cp=2, dp_shard=1, ep=2), padded=True, **DSV3),
+    # the two data ranks hold different numbers of real tokens: the LM loss's global normaliser must count them;
+    # the z-loss is normalised per data rank (Megatron's definition, documented in the README), so it is off here
+    "padded, cp=2 x dp_shard=2 ep=2": dict(layout=dict(cp=2, dp_shard=2, ep=2), padded=True,
+                                           moe=dict(z_loss_coeff=0.0)),
 }
 
 
@@ -46,7 +68,7 @@ def _run_layouts(rank: int, world_size: int, cases: dict) -> dict:
     for name, case in cases.items():
         try:
             res = train(case["layout"], world_size, case.get("accumulate", 1), case.get("clip"), case.get("moe"),
-                        case.get("loss_impl", "auto"))
+                        case.get("loss_impl", "auto"), case.get("model"), case.get("padded", False))
             # the expert bias must agree bitwise on every rank
             for b in res["biases"]:
                 gathered = [torch.empty_like(b) for _ in range(world_size)]
@@ -65,10 +87,10 @@ def _run_layouts(rank: int, world_size: int, cases: dict) -> dict:
 _REFS: dict = {}
 
 
-def _reference(clip=None, moe=None) -> dict:
-    key = (clip, tuple(sorted((moe or {}).items())))
+def _reference(clip=None, moe=None, model=None, padded=False) -> dict:
+    key = (clip, repr(sorted((moe or {}).items())), repr(sorted((model or {}).items())), padded)
     if key not in _REFS:
-        _REFS[key] = train(None, 1, 1, clip, moe)
+        _REFS[key] = train(None, 1, 1, clip, moe, model=model, padded=padded)
     return _REFS[key]
 
 
@@ -79,7 +101,8 @@ def _check(results: dict, cases: dict) -> None:
         if "error" in res:
             failures.append(f"[{name}] {res['error']}")
             continue
-        ref = _reference(clip=case.get("clip"), moe=case.get("moe"))
+        ref = _reference(clip=case.get("clip"), moe=case.get("moe"), model=case.get("model"),
+                         padded=case.get("padded", False))
         assert ref["losses"][0] > ref["losses"][-1], "the reference run should learn"
         problems = compare(res, ref)
         if problems:

@@ -164,6 +164,20 @@ def test_router_and_shared_experts_not_tp_split():
     assert rows["routed_experts"].local_params == b["routed_experts"] // 4  # ep=2 x edp_shard=2
 
 
+def test_mla_heads_tp_split_latents_replicated():
+    cfg = ModelConfig.from_preset("deepseek_v3", num_layers=2, hidden_size=256, num_heads=8, q_lora_rank=64,
+                                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                  vocab_size=512, dense_hidden_size=512, moe=dict(first_k_dense=1, num_experts=8, top_k=2,
+                                                                                  num_groups=2, group_topk=1))
+    D, H, ql, kl = 256, 8, 64, 32
+    split = H * 24 * ql + H * 32 * kl + H * 16 * D  # wq_b, wkv_b, wo: heads over tp
+    whole = D * ql + ql + D * (kl + 8) + kl  # wq_a, q_norm, wkv_a (with the shared rope key), kv_norm
+    assert {k: v["total"] for k, v in cfg.param_breakdown().items()}["attention"] == 2 * (split + whole)
+    rows = {r.component: r for r in layout_rows(cfg, ParallelDims(world_size=4, tp=2, ep=2))}  # dp_shard=2
+    assert rows["attention"].local_params == 2 * (split // 4 + whole // 2)
+    assert rows["attention"].split == "tp2 x fsdp2"
+
+
 # ---- all-to-all volume ---------------------------------------------------------------------------------------------
 
 
@@ -228,7 +242,8 @@ def test_plan_without_layout_prints_totals(capsys):
     (["--preset", "qwen3_moe_30b_a3b", "--world", "8", "--tp", "2", "--dp-shard", "2"],
      "choose sizes whose product is 8"),
     (["--preset", "qwen3_moe_30b_a3b", "--world", "8", "--cp", "2", "--seq-len", "4094"], "multiple of 4"),
-    (["--preset", "deepseek_v3", "--world", "8", "--tp", "2"], "MLA attention"),
+    (["--preset", "deepseek_v3", "--world", "6", "--tp", "3"],
+     "tp=3 does not divide num_heads=128 (tensor parallel splits MLA's heads after its latent projections)"),
     (["--preset", "olmoe_1b_7b", "--world", "8", "--tp", "2"], "qk_norm='head'"),
     (["--preset", "qwen3_moe_30b_a3b", "--tp", "2"], "need --world"),
     (["--preset", "tiny", "--world", "2", "--seq-len", "512"], "max_seq_len=256"),

@@ -116,16 +116,49 @@ def apply_rope(x_BSHK: Tensor, cos_SK2: Tensor, sin_SK2: Tensor) -> Tensor:
     return out.to(x_BSHK.dtype)
 
 
+def padded_causal_mask(q_pos_S: Tensor, k_pos_L: Tensor, key_valid_BL: Optional[Tensor]) -> Tensor:
+    """Boolean attention mask (True = attend): each query sees the keys at positions <= its own that are real
+    (``key_valid_BL`` True; None = all real) and always its own position, so the rows of padding queries stay finite.
+    [S, L] without ``key_valid_BL``, else [B, 1, S, L]."""
+    allowed_SL = k_pos_L[None, :] <= q_pos_S[:, None]
+    if key_valid_BL is None:
+        return allowed_SL
+    own_SL = k_pos_L[None, :] == q_pos_S[:, None]
+    return ((allowed_SL[None] & key_valid_BL[:, None, :].bool()) | own_SL[None])[:, None]
+
+
+def expand_kv(num_heads: int, k_BGSK: Tensor, v_BGSV: Tensor,
+              k_shared_B1SP: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Keys and values for every query head: GQA's G kv heads repeated to ``num_heads``, and a key part shared by
+    every head (MLA's decoupled RoPE key [B, 1, S, P]) appended to each head's key. Done after any gather, so
+    context parallelism moves G heads and one shared part instead of ``num_heads`` copies."""
+    rep = num_heads // k_BGSK.shape[1]
+    assert rep * k_BGSK.shape[1] == num_heads and v_BGSV.shape[1] == k_BGSK.shape[1], "kv heads must divide q heads"
+    if rep > 1:
+        k_BGSK, v_BGSV = k_BGSK.repeat_interleave(rep, dim=1), v_BGSV.repeat_interleave(rep, dim=1)
+    if k_shared_B1SP is not None:
+        k_BGSK = torch.cat([k_BGSK, k_shared_B1SP.expand(-1, num_heads, -1, -1)], dim=-1)
+    return k_BGSK, v_BGSV
+
+
 class CoreAttention:
     """Causal scaled-dot-product attention over local heads: the seam context parallelism replaces (an object,
-    not a submodule, so it adds no state-dict keys). ``positions_S`` are the global positions of the local
-    queries and keys; a single process ignores them (causal by index)."""
+    not a submodule, so it adds no state-dict keys).
 
-    def __call__(self, q_BHSK: Tensor, k_BHSK: Tensor, v_BHSK: Tensor, mask: Optional[Tensor],
-                 scale: Optional[float], positions_S: Tensor) -> Tensor:
-        if mask is None:
-            return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, is_causal=True, scale=scale)
-        return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSK, attn_mask=mask, scale=scale)
+    ``__call__(q_BHSK, k_BGSK, v_BGSV, key_valid_BS, scale, positions_S, k_shared_B1SP=None)``: k/v may hold fewer
+    heads than q (GQA) and ``k_shared_B1SP`` a key part shared by all heads (MLA's RoPE key): :func:`expand_kv`
+    runs here, after the seam, so a context-parallel gather moves the compact tensors. ``key_valid_BS``: bool
+    [B, S], True = real token (None = no padding); padding keys are masked out. ``positions_S`` are the global
+    positions of the local queries and keys; a single process ignores them (causal by index)."""
+
+    def __call__(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, key_valid_BS: Optional[Tensor],
+                 scale: Optional[float], positions_S: Tensor, k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
+        k_BHSK, v_BHSV = expand_kv(q_BHSK.shape[1], k_BGSK, v_BGSV, k_shared_B1SP)
+        if key_valid_BS is None:
+            return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
+        idx_S = torch.arange(q_BHSK.shape[2], device=q_BHSK.device)
+        mask = padded_causal_mask(idx_S, idx_S, key_valid_BS)
+        return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, attn_mask=mask, scale=scale)
 
 
 class KVCache:
@@ -241,7 +274,8 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
                 cache: Optional[LayerKVCache] = None) -> Tensor:
-        """With ``cache``: positions [B, S] and mask [B, 1, S, L] come from :meth:`KVCache.begin`; keys and values
+        """``mask``: the key padding mask [B, S] (True = real token; None = no padding), causal masking is implied.
+        With ``cache``: positions [B, S] and mask [B, 1, S, L] come from :meth:`KVCache.begin`; keys and values
         of earlier slots are read from the cache and this forward's are appended."""
         B, S, _ = x_BSD.shape
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
@@ -255,17 +289,11 @@ class Attention(nn.Module):
             q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
         cos, sin = self.rope(positions_S)
         q_BSHK, k_BSGK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSGK, cos, sin)
-        if cache is not None:
-            k_BSGK, v_BSGK = cache.update(k_BSGK, v_BSGK)  # now every cached slot: [B, L, G, K]
-        rep = q_BSHK.shape[2] // k_BSGK.shape[2]
-        if rep > 1:
-            k_BSGK = k_BSGK.repeat_interleave(rep, dim=2)
-            v_BSGK = v_BSGK.repeat_interleave(rep, dim=2)
         if cache is not None:  # single-process decoding: explicit slot mask, no context-parallel seam
-            o_BHSK = F.scaled_dot_product_attention(
-                q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), attn_mask=mask
-            )
-        else:
+            k_BSGK, v_BSGK = cache.update(k_BSGK, v_BSGK)  # now every cached slot: [B, L, G, K]
+            k_BHLK, v_BHLK = expand_kv(q_BSHK.shape[2], k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2))
+            o_BHSK = F.scaled_dot_product_attention(q_BSHK.transpose(1, 2), k_BHLK, v_BHLK, attn_mask=mask)
+        else:  # kv heads go to the seam unrepeated (expand_kv runs there)
             o_BHSK = self.core_attention(
                 q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2), mask, None, positions_S
             )
@@ -302,6 +330,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
                 cache: Optional[LayerKVCache] = None) -> Tensor:
+        """``mask`` as in :meth:`Attention.forward`: key padding [B, S] without a cache, [B, 1, S, L] with one."""
         if cache is not None:
             return self._forward_cached(x_BSD, positions_S, mask, cache)
         B, S, _ = x_BSD.shape
@@ -314,12 +343,11 @@ class MLAttention(nn.Module):
         k_nope, v = kv_BSHK.split([self.nope, self.v_dim], dim=-1)
         cos, sin = self.rope(positions_S)
         q_pe = apply_rope(q_pe, cos, sin)
-        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
+        k_pe_BS1P = apply_rope(k_pe.unsqueeze(2), cos, sin)
         q_BSHK = torch.cat([q_nope, q_pe], dim=-1)
-        k_BSHK = torch.cat([k_nope, k_pe], dim=-1)
-        o = self.core_attention(
-            q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v.transpose(1, 2), mask, self.scale, positions_S
-        )
+        # the shared rope key goes to the seam once, not per head (expand_kv appends it there)
+        o = self.core_attention(q_BSHK.transpose(1, 2), k_nope.transpose(1, 2), v.transpose(1, 2), mask, self.scale,
+                                positions_S, k_pe_BS1P.transpose(1, 2))
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
     def up_proj(self, q_in: Tensor, c_kv: Tensor) -> tuple[Tensor, Tensor]:
@@ -382,6 +410,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor], padding_mask_BS: Optional[Tensor],
                 cache: Optional[KVCache] = None) -> Tensor:
+        """``mask``: the attention's mask (see :meth:`Attention.forward`); ``padding_mask_BS``: the MoE layer's
+        (True = real token)."""
         if cache is None:
             h = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S, mask)
         else:
@@ -474,22 +504,18 @@ class MoETransformer(nn.Module):
                       positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
         if cache is not None:
             return self._hidden_states_cached(input_ids_BS, attention_mask_BS, positions_S, cache)
-        B, S = input_ids_BS.shape
+        S = input_ids_BS.shape[1]
         if positions_S is None:
             positions_S = torch.arange(S, device=input_ids_BS.device)
-        mask = padding_mask = None
+        padding_mask = None
         if attention_mask_BS is not None:
             padding_mask = attention_mask_BS.bool()
-            if not bool(padding_mask.all()):
-                # causal AND key-not-padding; rows of fully padded queries attend to themselves to stay finite
-                causal = torch.ones(S, S, dtype=torch.bool, device=input_ids_BS.device).tril()
-                mask = causal[None] & padding_mask[:, None, :]
-                mask = (mask | torch.eye(S, dtype=torch.bool, device=mask.device)[None])[:, None]
-            else:
+            if bool(padding_mask.all()):
                 padding_mask = None
         h = self.tok_embeddings(input_ids_BS)
         for block in self.layers.values():
-            h = block(h, positions_S, mask, padding_mask)
+            # the attention masks padding keys (core attention builds the causal mask), the MoE routes no padding
+            h = block(h, positions_S, padding_mask, padding_mask)
         return self.norm(h)
 
     def _hidden_states_cached(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor],

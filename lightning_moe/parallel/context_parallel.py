@@ -13,13 +13,19 @@ How parallelize attaches it (model code stays single-device, DESIGN invariant 1)
     for block in model.layers.values():
         block.attention.core_attention = AllGatherKVAttention(cp_mesh.get_group())
     local = shard_batch_for_cp(batch, cp_size, cp_rank)          # labels shifted on the full sequence first
-    logits = model(local["input_ids"], None, local["position_ids"])
+    logits = model(local["input_ids"], local.get("attention_mask"), local["position_ids"])
 
 Everything else in the model (embeddings, norms, MLPs, MoE routing) is per token, so it runs unchanged on the
 local tokens. Per-sequence statistics (a sequence-level aux loss, loss token counts) must be reduced over the cp
-group by their owners. Padding masks are not supported: pack sequences instead.
+group by their owners.
 
-Legend: B batch, H heads, S local sequence, L gathered (global) sequence, K head dim of q/k, Kv head dim of v.
+Padding: ``shard_batch_for_cp`` slices ``attention_mask`` like the tokens. Each rank's MoE layers route only its
+own real tokens (the routers' counts and normalisers are summed over the cp group), the attention masks padding
+keys over the gathered sequence (their validity is gathered with their positions), and the loss counts the real
+labels of each rank, summed over cp by the strategy.
+
+Legend: B batch, H heads, G kv heads, S local sequence, L gathered (global) sequence, K head dim of q/k, V head
+dim of v, P MLA's shared RoPE key dim.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch import Tensor
 
 from lightning_moe.autograd import contiguous_grad
 from lightning_moe.collectives import all_gather, all_gather_autograd, wait
+from lightning_moe.models.transformer import expand_kv, padded_causal_mask
 
 __all__ = ["cp_shard_indices", "shard_batch_for_cp", "AllGatherKVAttention"]
 
@@ -113,11 +120,19 @@ class AllGatherKVAttention:
     """Causal attention over a context-parallel group: a drop-in for the model's ``CoreAttention`` (a plain object,
     no state-dict keys) with the same call signature.
 
-    ``__call__(q_BHSK, k_BHSK, v_BHSK, mask, scale, positions_S) -> o_BHSKv``: q/k/v hold this rank's tokens (any
-    subset of the sequence, e.g. from :func:`cp_shard_indices`) and ``positions_S`` their global positions. K, V and
-    the positions are all-gathered over ``cp_group`` (differentiable for K and V), and the queries attend to every
-    key at a global position <= their own. k/v may have different head dims (MLA); k/v may have fewer heads than q
-    (GQA, needs torch >= 2.5's ``enable_gqa``). ``mask`` must be None (no padding masks under CP: pack sequences).
+    ``__call__(q_BHSK, k_BGSK, v_BGSV, key_valid_BS, scale, positions_S, k_shared_B1SP=None) -> o_BHSV``: q/k/v
+    hold this rank's tokens (any subset of the sequence, e.g. from :func:`cp_shard_indices`) and ``positions_S``
+    their global positions. K, V (and the shared key part), the positions and the key padding mask are all-gathered
+    over ``cp_group`` (differentiable for K and V), and the queries attend to every real key at a global position
+    <= their own. K/V are gathered as the model hands them over: G kv heads (GQA) and MLA's one shared RoPE key,
+    repeated / expanded to the query heads only after the gather (:func:`expand_kv`), which moves H/G times fewer
+    bytes than gathering repeated heads. k/v may have different head dims (MLA).
+
+    ``key_valid_BS``: bool [B, S], True = real token, for this rank's keys; None = all real. A rank whose tokens
+    are all real may pass None while another passes a mask (the model drops an all-real mask): the validity is
+    always gathered, with the positions in one collective, so every rank issues the same collectives. The mask is
+    therefore [B, 1, S, L] (batch dim included) even without padding: telling "no rank has padding" apart would
+    cost a host sync per layer.
 
     Note: the boolean mask keeps SDPA off the flash kernel (the memory-efficient or math kernel runs instead).
     """
@@ -139,18 +154,19 @@ class AllGatherKVAttention:
         x_LBHK = contiguous_grad(wait(all_gather_autograd(x_SBHK, 0, self.cp_group)))
         return x_LBHK.permute(1, 2, 0, 3)
 
-    def __call__(self, q_BHSK: Tensor, k_BHSK: Tensor, v_BHSK: Tensor, mask: Optional[Tensor],
-                 scale: Optional[float], positions_S: Tensor) -> Tensor:
-        if mask is not None:
+    def _gather_keys_meta(self, q_pos_S: Tensor, key_valid_BS: Tensor) -> tuple[Tensor, Tensor]:
+        """Global positions [L] and key validity [B, L] of every rank's tokens, in one all-gather."""
+        meta_S1B = torch.cat([q_pos_S[:, None], key_valid_BS.T.long()], dim=1)
+        meta_L1B = wait(all_gather(meta_S1B.contiguous(), 0, self.cp_group))
+        return meta_L1B[:, 0], meta_L1B[:, 1:].T.bool()
+
+    def __call__(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, key_valid_BS: Optional[Tensor],
+                 scale: Optional[float], positions_S: Tensor, k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
+        B, S = q_BHSK.shape[0], q_BHSK.shape[2]
+        if k_BGSK.shape[2] != S or v_BGSV.shape[2] != S:
             raise ValueError(
-                "padding masks are not supported with context parallelism; pack sequences instead "
-                "(call the model without an attention_mask, or with one that has no padding)"
-            )
-        S = q_BHSK.shape[2]
-        if k_BHSK.shape[2] != S or v_BHSK.shape[2] != S:
-            raise ValueError(
-                f"q, k and v must hold the same local tokens; got sequence lengths {S}, {k_BHSK.shape[2]}, "
-                f"{v_BHSK.shape[2]}"
+                f"q, k and v must hold the same local tokens; got sequence lengths {S}, {k_BGSK.shape[2]}, "
+                f"{v_BGSV.shape[2]}"
             )
         if positions_S is None or positions_S.dim() != 1 or positions_S.shape[0] != S:
             got = None if positions_S is None else tuple(positions_S.shape)
@@ -158,18 +174,24 @@ class AllGatherKVAttention:
                 f"context parallelism needs positions_S: the global positions of the {S} local tokens "
                 f"(shard_batch_for_cp(...)['position_ids']), got shape {got}"
             )
+        if key_valid_BS is not None and tuple(key_valid_BS.shape) != (B, S):
+            raise ValueError(f"the key padding mask must have shape [B, S] = {(B, S)} (this rank's tokens), got "
+                             f"{tuple(key_valid_BS.shape)}")
         q_pos = positions_S.to(device=q_BHSK.device, dtype=torch.long)
+        valid_BS = (torch.ones(B, S, dtype=torch.bool, device=q_BHSK.device) if key_valid_BS is None
+                    else key_valid_BS.to(device=q_BHSK.device, dtype=torch.bool))
         if self.cp_size > 1:
-            k_BHLK, v_BHLK = self._gather_seq(k_BHSK), self._gather_seq(v_BHSK)
-            k_pos = wait(all_gather(q_pos.contiguous(), 0, self.cp_group))
+            k_BGLK, v_BGLV = self._gather_seq(k_BGSK), self._gather_seq(v_BGSV)
+            k_shared_B1LP = None if k_shared_B1SP is None else self._gather_seq(k_shared_B1SP)
+            k_pos, valid_BL = self._gather_keys_meta(q_pos, valid_BS)
         else:
-            k_BHLK, v_BHLK, k_pos = k_BHSK, v_BHSK, q_pos
-        return self.kernel(q_BHSK, k_BHLK, v_BHLK, q_pos[:, None] >= k_pos[None, :], scale)
+            k_BGLK, v_BGLV, k_shared_B1LP, k_pos, valid_BL = k_BGSK, v_BGSV, k_shared_B1SP, q_pos, valid_BS
+        return self.kernel(q_BHSK, k_BGLK, v_BGLV, padded_causal_mask(q_pos, k_pos, valid_BL), scale, k_shared_B1LP)
 
-    def kernel(self, q_BHSK: Tensor, k_BHLK: Tensor, v_BHLK: Tensor, causal_SL: Tensor,
-               scale: Optional[float]) -> Tensor:
-        """The local attention after the gathers: the collective-free part ``activation_checkpointing=[attn_core]``
-        recomputes (the gathered K/V are kept, never gathered again)."""
-        gqa = k_BHLK.shape[1] != q_BHSK.shape[1]
-        kwargs = {"enable_gqa": True} if gqa else {}
-        return F.scaled_dot_product_attention(q_BHSK, k_BHLK, v_BHLK, attn_mask=causal_SL, scale=scale, **kwargs)
+    def kernel(self, q_BHSK: Tensor, k_BGLK: Tensor, v_BGLV: Tensor, mask_B1SL: Tensor, scale: Optional[float],
+               k_shared_B1LP: Optional[Tensor] = None) -> Tensor:
+        """The local attention after the gathers, head repeat included: the collective-free part
+        ``activation_checkpointing=[attn_core]`` recomputes (the gathered compact K/V are kept, never gathered
+        again; their repeated copies are not)."""
+        k_BHLK, v_BHLV = expand_kv(q_BHSK.shape[1], k_BGLK, v_BGLV, k_shared_B1LP)
+        return F.scaled_dot_product_attention(q_BHSK, k_BHLK, v_BHLV, attn_mask=mask_B1SL, scale=scale)

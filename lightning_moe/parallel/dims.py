@@ -235,9 +235,10 @@ class ParallelDims:
         if tp > 1:
             H = cfg.num_heads
             if H % tp != 0:
+                what = "attention heads" if cfg.attention != "mla" else "MLA's heads after its latent projections"
                 raise ValueError(
-                    f"tp={tp} does not divide num_heads={H} (tensor parallel splits attention heads): "
-                    f"choose tp in {_fmt_set(_divisors(math.gcd(H, self._replica)))}"
+                    f"tp={tp} does not divide num_heads={H} (tensor parallel splits {what}): "
+                    f"choose tp in {_fmt_set(_divisors(math.gcd(H, self._replica)))}, or num_heads a multiple of {tp}"
                 )
             if cfg.attention != "mla" and cfg.num_kv_heads % tp != 0:
                 KV = cfg.num_kv_heads
@@ -259,11 +260,6 @@ class ParallelDims:
                     f"in {_fmt_set(_divisors(math.gcd(FD, self._replica)))}"
                 )
             # shared experts stay whole on every tp rank (they see that rank's own sequence-parallel tokens)
-            if cfg.attention == "mla":
-                raise ValueError(
-                    f"tp={tp} is not supported with MLA attention yet: set tp=1 and use ep, cp and FSDP (dp_shard) "
-                    "for DeepSeek presets"
-                )
             if cfg.qk_norm == "full":
                 raise ValueError(
                     f"qk_norm='full' normalises over all heads and cannot be split by tp={tp}: use tp=1 or "

@@ -5,7 +5,7 @@ bytes from them, so the two cannot drift apart. Pure Python: no process group, n
 
 * tensor parallel (sequence parallel): the names in :data:`TP_COLWISE` / :data:`TP_ROWWISE` inside a block, the
   embedding (vocab rows) and the LM head (vocab columns); everything else of the dense view (norms, per-head qk
-  norms, the router, shared experts) is replicated over tp;
+  norms, MLA's latent down-projections and norms, the router, shared experts) is replicated over tp;
 * FSDP2 shards every dense parameter over ``dp_shard * cp`` (dp_replicate replicates);
 * routed experts (:data:`EXPERT_WEIGHTS`): ``Shard(0)`` over ep, F over etp, FSDP over edp_shard;
 * buffers (the expert bias, rope tables) are not split.
@@ -26,8 +26,12 @@ AC_MODES = ("none", "full")
 # module kinds ``activation_checkpointing`` may list (Megatron's --recompute-modules); none of them holds a collective
 RECOMPUTE_KINDS = ("norm", "attn_core", "moe_act", "experts", "shared_experts", "mla_up_proj")
 DISPATCHERS = ("alltoall", "allgather")
-# block-relative module names split by tensor parallelism
-TP_COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+# block-relative module names split by tensor parallelism (a model has the ones its attention kind defines). MLA splits
+# its heads after the low-rank projections (as Megatron does): the up-projections wq_b / wkv_b (wq without q
+# compression) column-wise; the latent down-projections wq_a / wkv_a (with the shared RoPE key) and their norms
+# stay whole on every tp rank.
+TP_COLWISE = ("attention.wq", "attention.wk", "attention.wv", "attention.wq_b", "attention.wkv_b",
+              "feed_forward.w1", "feed_forward.w3")
 TP_ROWWISE = ("attention.wo", "feed_forward.w2")
 # model-level modules split by tensor parallelism (vocab rows / columns)
 TP_MODEL = ("tok_embeddings", "output")

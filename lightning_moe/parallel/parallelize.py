@@ -9,7 +9,11 @@ the caller materialises (``to_empty``) and initialises afterwards.
 Under sequence parallel every tensor-parallel rank keeps its own distinct tokens through the MoE layer (no
 all-gather before routing); parameters that are replicated over tp but fed those distinct tokens (router weights,
 shared experts, per-head qk norms) need their gradients summed over tp: ``parallelize`` returns them so the
-strategy can do that once per optimizer step.
+strategy can do that once per optimizer step. MLA splits its heads after the low-rank projections: the latent
+down-projections and norms run whole on the gathered sequence of every tp rank and get the full gradient there
+(the column-parallel up-projections sum their input gradients over tp; a hook does it for the shared RoPE key).
+Padded batches: the attention sees the whole (gathered) sequence and its key padding mask; the MoE layer's padding
+mask is cut over tp like its tokens.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Union
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from lightning_moe.models.transformer import Attention, MoETransformer
+from lightning_moe.models.transformer import Attention, MLAttention, MoETransformer
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.dims import ParallelDims
@@ -31,9 +35,10 @@ from lightning_moe.parallel.recompute import apply_recompute
 
 
 def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
-    """Megatron-style TP with sequence parallel on embeddings, attention, dense MLPs and the LM head. Returns the
-    modules whose parameters are tp-replicated but fed distinct tokens: their gradients must be summed over tp
-    (modules, not parameters: FSDP later swaps the parameter objects)."""
+    """Megatron-style TP with sequence parallel on embeddings, attention (GQA, or MLA with heads split after its
+    latent projections), dense MLPs and the LM head. Returns the modules whose parameters are tp-replicated but fed
+    distinct tokens: their gradients must be summed over tp (modules, not parameters: FSDP later swaps the parameter
+    objects)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -43,8 +48,8 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
     )
 
     cfg = model.config
-    # ParallelDims.validate rejects MLA and qk_norm="full" with tp > 1 with the fix; here they are invariants
-    assert cfg.attention != "mla" and cfg.qk_norm != "full", "layout not validated by ParallelDims"
+    # ParallelDims.validate rejects qk_norm="full" with tp > 1 with the fix; here it is an invariant
+    assert cfg.qk_norm != "full", "layout not validated by ParallelDims"
     parallelize_module(
         model,
         tp_mesh,
@@ -65,7 +70,8 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
             "ffn_norm": SequenceParallel(),
         }
         if block.is_moe:
-            # the MoE layer works on this rank's own sequence shard: hand it the local tensor
+            # the MoE layer works on this rank's own sequence shard: hand it the local tensor (its padding mask is
+            # cut the same way by the hook below)
             plan["moe"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None), desired_input_layouts=(Shard(1), None), use_local_output=True
             )
@@ -76,19 +82,64 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
             plan["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
-        # the split modules: parallel.layout's tables (plan counts per-GPU bytes from the same tables)
+        # the split modules: parallel.layout's tables (plan counts per-GPU bytes from the same tables), those this
+        # block has (GQA or MLA projections; dense MLP or not)
         for name in TP_COLWISE:
-            if name.startswith("attention.") or not block.is_moe:
+            if _has_submodule(block, name):
                 plan[name] = ColwiseParallel()
         for name in TP_ROWWISE:
-            if name.startswith("attention.") or not block.is_moe:
+            if _has_submodule(block, name):
                 plan[name] = RowwiseParallel(output_layouts=Shard(1))
         parallelize_module(block, tp_mesh, plan)
+        if block.is_moe:
+            block.moe.register_forward_pre_hook(_shard_padding_mask_hook(tp_mesh))
         attn = block.attention
         if isinstance(attn, Attention) and attn.qk_norm == "head":
             # per-head norms see different heads on each tp rank
             sync += [attn.q_norm, attn.k_norm]
+        if isinstance(attn, MLAttention):
+            attn.wkv_a.register_forward_hook(_mla_shared_key_hook(attn.kv_lora_rank, tp_mesh))
     return sync
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _sum_grad_over(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Identity forward; the backward sums the gradient over ``mesh`` (Megatron's copy to the tensor-parallel region)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _mla_shared_key_hook(kv_lora_rank: int, tp_mesh: DeviceMesh) -> Callable:
+    """Forward hook on MLA's ``wkv_a`` under tp: its output is [c_kv | k_pe], computed whole on every tp rank. c_kv
+    feeds the column-parallel ``wkv_b``, whose input gradient DTensor already sums over tp; k_pe, the RoPE key shared
+    by all heads, is used by this rank's heads only, so its gradient is summed over tp here. Every tp rank then
+    holds the full gradient of ``wkv_a`` and of the attention input, as their replicated layout requires."""
+
+    def hook(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        c_kv, k_pe = out.split([kv_lora_rank, out.shape[-1] - kv_lora_rank], dim=-1)
+        return torch.cat([c_kv, _sum_grad_over(k_pe, tp_mesh)], dim=-1)
+
+    return hook
+
+
+def _shard_padding_mask_hook(tp_mesh: DeviceMesh) -> Callable:
+    """Forward pre-hook on an MoE layer under sequence parallel (after its PrepareModuleInput): the padding mask
+    [B, S], the same on every tp rank, is cut like the activations (Shard(1) over tp), so each rank's router sees
+    the mask of its own tokens."""
+
+    def hook(module: nn.Module, args: tuple) -> Optional[tuple]:
+        if len(args) < 2 or args[1] is None:
+            return None
+        mask = DTensor.from_local(args[1], tp_mesh, [Replicate()], run_check=False)
+        return (args[0], mask.redistribute(placements=[Shard(1)]).to_local(), *args[2:])
+
+    return hook
 
 
 def apply_cp(model: MoETransformer, cp_mesh: DeviceMesh) -> None:

@@ -19,9 +19,11 @@ mla_up_proj     ``MLAttention.up_proj``: q/kv norms + up-projs    the latent nor
 
 Communication is never re-run: the dispatcher's all-to-all / all-gather and context parallelism's K/V gathers lie
 outside every region, and the hooks of FSDP2 and tensor parallelism sit on module calls, outside the wrapped
-``forward`` methods. ``full`` (whole blocks, :func:`~lightning_moe.parallel.parallelize.apply_ac`) may be combined
-with kinds: they then nest inside the block's recomputation. Wrapping sets instance attributes only: state-dict
-keys are unchanged. The router is never inside a region, so routing statistics are recorded once.
+``forward`` methods (under tp, ``mla_up_proj`` holds the column-parallel up-projections' DTensor wrapping, which
+communicates only in the backward: the all-reduce of their input gradient, run once). ``full`` (whole blocks,
+:func:`~lightning_moe.parallel.parallelize.apply_ac`) may be combined with kinds: they then nest inside the block's
+recomputation. Wrapping sets instance attributes only: state-dict keys are unchanged. The router is never inside a
+region, so routing statistics are recorded once.
 """
 
 from __future__ import annotations

@@ -364,7 +364,6 @@ class MoEParallelStrategy(ParallelStrategy):
         if not self._batch_checked:
             _check_batch_layout(batch, dims, self.lightning_module.config)
             self._batch_checked = True
-        _check_padding(batch, dims)
         if not dims.cp_enabled:
             return batch
         from lightning_moe.parallel.context_parallel import shard_batch_for_cp
@@ -598,17 +597,6 @@ def _check_batch_layout(batch: Mapping[str, Any], dims: ParallelDims, config: An
                 f"ranks of this ep group hold {counts}: use equal micro-batches (drop_last=True) or set "
                 "pad_to_capacity=False"
             )
-
-
-def _check_padding(batch: Mapping[str, Any], dims: ParallelDims) -> None:
-    mask = batch.get("attention_mask")
-    if mask is None or not (dims.tp_enabled or dims.cp_enabled):
-        return
-    if not bool(mask.bool().all()):
-        raise ValueError(
-            f"padded batches (attention_mask with zeros) are not supported with tp={dims.tp} / cp={dims.cp} yet: "
-            "pack the data without padding (TextDataModule does), or use tp=1 and cp=1 for padded data"
-        )
 
 
 StrategyRegistry.register(
