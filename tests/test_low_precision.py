@@ -151,21 +151,28 @@ def test_keep_bf16_and_dims_that_do_not_fit(block_formats):
     assert type(lin[0]) is nn.Linear
 
 
-def test_checkpoints_round_trip_with_and_without_the_callback(tmp_path, block_formats):
+@pytest.mark.parametrize("recipe, kw", [("fp8_rowwise", {}), ("nvfp4", {}),
+                                        ("fp8_tensorwise", {"fsdp_float8_all_gather": True})],
+                         ids=["fp8_rowwise", "nvfp4", "fp8_tensorwise-fsdp_float8_all_gather"])
+def test_checkpoints_round_trip_with_and_without_the_callback(tmp_path, block_formats, recipe, kw):
     cfg = _config()
     plain = reference_model(cfg)
-    for recipe in ("fp8_rowwise", "nvfp4"):
-        lowp = _lowp(reference_model(cfg), recipe)
-        path = tmp_path / f"{recipe}.pt"
-        torch.save(lowp.state_dict(), path)
-        fresh = MoETransformer_like(cfg)
-        fresh.load_state_dict(torch.load(path, weights_only=True))  # saved with the callback, loaded without
-        for k, v in plain.state_dict().items():
-            assert torch.equal(fresh.state_dict()[k], v), k
-        back = _lowp(MoETransformer_like(cfg), recipe)
-        back.load_state_dict(plain.state_dict())  # and the other way round
-        ids = tokens(cfg)
-        assert torch.equal(back(ids), lowp(ids))
+    keys = {k: (v.shape, v.dtype) for k, v in plain.state_dict().items()}
+    lowp = _lowp(reference_model(cfg), recipe, **kw)
+    sd = lowp.state_dict()
+    # same keys, shapes and dtypes, and plain tensors (no torchao wrapper: loads without torchao)
+    assert {k: (v.shape, v.dtype) for k, v in sd.items()} == keys
+    assert all(type(v) is torch.Tensor for v in sd.values()), {k: type(v) for k, v in sd.items()}
+    path = tmp_path / f"{recipe}.pt"
+    torch.save(sd, path)
+    fresh = MoETransformer_like(cfg)
+    fresh.load_state_dict(torch.load(path, weights_only=True))  # saved with the callback, loaded without
+    for k, v in plain.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    back = _lowp(MoETransformer_like(cfg), recipe, **kw)
+    back.load_state_dict(plain.state_dict())  # and the other way round
+    ids = tokens(cfg)
+    assert torch.equal(back(ids), lowp(ids))
 
 
 def MoETransformer_like(cfg, seed=99, transform=None):  # noqa: N802 - a fresh model (other weights by default)
