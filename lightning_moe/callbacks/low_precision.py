@@ -41,9 +41,8 @@ Layouts: FSDP2 gathers the high-precision weights and the quantization runs on t
 ``fsdp_float8_all_gather=True`` (``fp8_tensorwise`` only) makes FSDP2 all-gather FP8 weights instead (torchao's
 ``enable_fsdp_float8_all_gather``; scales are precomputed after every optimizer step; the same FP8 weights, so the
 same numbers, as gathering in high precision: tested at W=2 on gloo; the state dict keeps the plain weight).
-Tensor parallelism keeps
-our Colwise/Rowwise styles: torchao's ``Float8Linear`` then runs on DTensors (amaxes reduce over the tp group);
-MXFP8 / NVFP4 dense linears under tp > 1 are refused at setup (blocks would straddle shards).
+Tensor parallelism keeps our Colwise/Rowwise styles: torchao's ``Float8Linear`` then runs on DTensors (amaxes reduce
+over the tp group); MXFP8 / NVFP4 dense linears under tp > 1 are refused at setup (blocks would straddle shards).
 
 YAML (``lightning-moe fit``)::
 
