@@ -171,11 +171,15 @@ def _err(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------- lightning_moe runs
 def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
              device: torch.device, peak: Optional[dict], timed: bool, strategy: Any = None,
-             extra_callbacks: tuple = (), variant: str = "", logger: Any = False) -> dict[str, Any]:
+             extra_callbacks: tuple = (), variant: str = "", logger: Any = False,
+             module_kwargs: Optional[dict[str, Any]] = None, trainer_kwargs: Optional[dict[str, Any]] = None,
+             data_kwargs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
     strategy), ``extra_callbacks`` and ``logger`` (default: none) let other benchmarks (memory options, the routing
     monitor) reuse the run. ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally ``+compile``
-    (regional torch.compile through a one-device MoEParallelStrategy)."""
+    (regional torch.compile through a one-device MoEParallelStrategy). ``module_kwargs`` / ``trainer_kwargs`` /
+    ``data_kwargs`` override the ``MoELanguageModel`` / ``Trainer`` / ``TextDataModule`` arguments (e.g. the schedule,
+    gradient clipping, ``max_time``)."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
@@ -211,7 +215,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     rec = StepRecorder()
     model = trainer = dm = None
     try:
-        dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
+        dm = TextDataModule(**{"seq_len": seq_len, "batch_size": batch_size, **(data_kwargs or {})})
         loss_impl, _, extra = (variant or getattr(args, "loss_impl", "auto")).partition("+")
         if extra == "compile":
             from lightning_moe.strategies import MoEParallelStrategy
@@ -219,21 +223,23 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
             strategy = MoEParallelStrategy(compile=True)
         elif extra:
             raise ValueError(f"unknown variant suffix {extra!r} (only '+compile')")
-        model = MoELanguageModel(cfg, lr=lr, warmup_steps=2, max_steps=args.steps, loss_impl=loss_impl)
-        trainer = L.Trainer(
-            accelerator="gpu" if device.type == "cuda" else "cpu",
-            devices=1,
-            strategy=strategy if strategy is not None else "auto",
-            precision=args.precision,
-            max_steps=args.steps,
-            logger=logger,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            callbacks=[rec, *extra_callbacks],
-        )
+        model = MoELanguageModel(cfg, **{"lr": lr, "warmup_steps": 2, "max_steps": args.steps, "loss_impl": loss_impl,
+                                         **(module_kwargs or {})})
+        trainer = L.Trainer(**{
+            "accelerator": "gpu" if device.type == "cuda" else "cpu",
+            "devices": 1,
+            "strategy": strategy if strategy is not None else "auto",
+            "precision": args.precision,
+            "max_steps": args.steps,
+            "logger": logger,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "limit_val_batches": 0,
+            "num_sanity_val_steps": 0,
+            "callbacks": [rec, *extra_callbacks],
+            **(trainer_kwargs or {}),
+        })
         prof = None
         if getattr(args, "profile", False) and timed and not getattr(args, "_profiled", False):
             args._profiled = True  # the first timed run only
@@ -405,7 +411,7 @@ def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.N
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 2, max(args.steps, 1), 0.1))
 
         # the same batches in the same order as the Lightning run (its sampler is seeded, epoch 0)
-        dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
+        dm = TextDataModule(**{"seq_len": seq_len, "batch_size": batch_size, **(data_kwargs or {})})
         dm.setup("fit")
         loader = dm.train_dataloader()
         it = iter(loader)
