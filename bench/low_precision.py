@@ -34,9 +34,12 @@ flagged). Every run prints its wall time and seconds per step; the JSON is rewri
 GPU (one H200; repository root). All three modes in one call, ~8 minutes (layer ~1 min, step ~1.5 min, the rest to
 300-step convergence runs of fp8_tensorwise and fp8_rowwise vs bf16; a run that cannot finish is cut and flagged):
     python bench/low_precision.py --time-limit 480 --out bench/results/low_precision_h200.json
-CPU (the emulated MXFP8 / NVFP4 convergence on the tiny preset; a few minutes per run):
-    python bench/low_precision.py --device cpu --mode convergence --preset tiny --recipes mxfp8,nvfp4 \\
+CPU (the emulated MXFP8 / NVFP4 convergence on the tiny preset, 32-true; 1.5 / 4 / 5 minutes for baseline / mxfp8 /
+nvfp4 on one thread of a 2-core Xeon: ``--threads 1`` on a shared machine, where 2 threads ran 10x slower):
+    python bench/low_precision.py --device cpu --threads 1 --mode convergence --preset tiny --recipes mxfp8,nvfp4 \\
         --conv-steps 300 --out bench/results/low_precision_tiny_cpu.json
+Curves of a report written where matplotlib is missing (a CSV there), redrawn elsewhere:
+    python bench/low_precision.py --plot-from bench/results/low_precision_h200.json
 Smoke test (CPU, seconds):
     python bench/low_precision.py --device cpu --small --shapes mixtral --conv-steps 3 --out /tmp/lowp.json
 """
@@ -476,6 +479,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "default bf16-true (cuda), 32-true (cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--out", default="bench_low_precision.json")
+    p.add_argument("--plot-from", default=None, metavar="JSON", help="only redraw the convergence curves of a "
+                   "report this script wrote (e.g. a GPU run's, on a machine with matplotlib), next to it")
     g = p.add_argument_group("layer")
     g.add_argument("--shapes", default="qwen3,deepseek_v3,mixtral")
     g.add_argument("--layer-recipes", default="fp8_rowwise")
@@ -542,8 +547,20 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict[str, Any
     return env
 
 
+def plot_from(path: Path) -> int:
+    report = json.loads(path.read_text())
+    conv = report.get("convergence") or {}
+    if not conv.get("runs"):
+        log(f"{path}: no convergence runs to plot")
+        return 1
+    title = f"{conv.get('preset')}, {conv.get('settings', {}).get('precision')}"
+    return 0 if save_curves(conv["runs"], path, conv.get("smooth", 20), title) else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.plot_from:
+        return plot_from(Path(args.plot_from))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = train_step.pick_device(args.device)
