@@ -238,7 +238,7 @@ def _run(label: str, cfg: Any, recipe: str, args: argparse.Namespace, device: to
     chk = _init_checksum_callback()
     extra = (chk,) if recipe == BASE else (chk, _callback(recipe, args))
     r = train_step.run_ours(f"{label}-{recipe}", cfg, seq_len, batch_size, ts_args, lr, device, peak, timed,
-                            extra_callbacks=extra, **run_kwargs)
+                            extra_callbacks=extra, seed=args.seed, **run_kwargs)
     r["recipe"], r["init_checksum"], r["precision"] = recipe, chk.value, args.precision
     r["emulate"] = None if recipe == BASE else _emulate(recipe, args)
     n = len(r.get("step_times_s") or [])
@@ -478,6 +478,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--precision", default=None, help="Lightning precision of every run (baseline and recipes); "
                    "default bf16-true (cuda), 32-true (cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed of every run (the data order is the "
+                   "data module's own seed); another seed's baseline gauges the run-to-run spread")
     p.add_argument("--out", default="bench_low_precision.json")
     p.add_argument("--plot-from", default=None, metavar="JSON", help="only redraw the convergence curves of a "
                    "report this script wrote (e.g. a GPU run's, on a machine with matplotlib), next to it")

@@ -173,13 +173,13 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
              device: torch.device, peak: Optional[dict], timed: bool, strategy: Any = None,
              extra_callbacks: tuple = (), variant: str = "", logger: Any = False,
              module_kwargs: Optional[dict[str, Any]] = None, trainer_kwargs: Optional[dict[str, Any]] = None,
-             data_kwargs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+             data_kwargs: Optional[dict[str, Any]] = None, seed: int = 0) -> dict[str, Any]:
     """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
     strategy), ``extra_callbacks`` and ``logger`` (default: none) let other benchmarks (memory options, the routing
     monitor) reuse the run. ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally ``+compile``
     (regional torch.compile through a one-device MoEParallelStrategy). ``module_kwargs`` / ``trainer_kwargs`` /
     ``data_kwargs`` override the ``MoELanguageModel`` / ``Trainer`` / ``TextDataModule`` arguments (e.g. the schedule,
-    gradient clipping, ``max_time``)."""
+    gradient clipping, ``max_time``); ``seed`` seeds the initialisation (``L.seed_everything``)."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
@@ -209,7 +209,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     res: dict[str, Any] = {"model": label, "impl": "lightning_moe", "seq_len": seq_len, "batch_size": batch_size,
                            "steps": args.steps, "lr": lr}
     log(f"\n=== {label}: lightning_moe, {args.steps} steps, batch {batch_size} x {seq_len} ===")
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(seed, verbose=False)
     reset_memory(device)
     t_start = time.perf_counter()
     rec = StepRecorder()
