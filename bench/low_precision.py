@@ -18,7 +18,7 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  every module's init; each run records checksums of its first batch and initial weights) on the
                  embedded corpus, baseline then each of ``--recipes``. ``bench8``: the 8-layer bench model (lr 3e-4);
                  ``tiny``: the main job's model and settings (``examples/configs/tiny.yaml``: lr 3e-3, 8 x 256
-                 tokens, AdamW wd 0.1, clip 1.0). Both: warmup min(20, steps / 10), cosine to 0.1 x lr, clip 1.0.
+                 tokens, AdamW wd 0.1). Both: warmup min(20, steps / 10), cosine to 0.1 x lr, clip 1.0.
                  Smoothed final loss = mean train loss of the last ``--smooth`` (20) steps; relative difference to
                  the baseline (targets: FP8 recipes 1%, MXFP8 / NVFP4 3%). Curves: ``<out stem>_curves.png``
                  (matplotlib, the ``bench`` extra) or ``.csv``.
@@ -34,10 +34,11 @@ flagged). Every run prints its wall time and seconds per step; the JSON is rewri
 GPU (one H200; repository root). All three modes in one call, ~8 minutes (layer ~1 min, step ~1.5 min, the rest to
 300-step convergence runs of fp8_tensorwise and fp8_rowwise vs bf16; a run that cannot finish is cut and flagged):
     python bench/low_precision.py --time-limit 480 --out bench/results/low_precision_h200.json
-CPU (the emulated MXFP8 / NVFP4 convergence on the tiny preset, 32-true; 1.5 / 4 / 5 minutes for baseline / mxfp8 /
-nvfp4 on one thread of a 2-core Xeon: ``--threads 1`` on a shared machine, where 2 threads ran 10x slower):
-    python bench/low_precision.py --device cpu --threads 1 --mode convergence --preset tiny --recipes mxfp8,nvfp4 \\
-        --conv-steps 300 --out bench/results/low_precision_tiny_cpu.json
+CPU (the emulated MXFP8 / NVFP4 convergence on the tiny preset; 1.5 / 4 / 5.5 minutes for baseline / mxfp8 / nvfp4
+on one thread of a 2-core Xeon: ``--threads 1`` on a shared machine, where 2 threads ran 10x slower; bf16-true runs
+about as fast as the default 32-true there):
+    python bench/low_precision.py --device cpu --threads 1 --precision bf16-true --mode convergence --preset tiny \\
+        --recipes mxfp8,nvfp4 --conv-steps 300 --out bench/results/low_precision_tiny_cpu_bf16.json
 Curves of a report written where matplotlib is missing (a CSV there), redrawn elsewhere:
     python bench/low_precision.py --plot-from bench/results/low_precision_h200.json
 Smoke test (CPU, seconds):
