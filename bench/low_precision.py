@@ -1,29 +1,48 @@
 #!/usr/bin/env python
-"""Low-precision training (issue 11): speed of FP8 vs bf16, and convergence of every recipe vs bf16.
+"""Low-precision training (issue 11): speed of FP8 vs the high-precision run, and convergence of every recipe.
 
-Modes (``--mode``, all by default):
+Modes (``--mode``, comma-separated; all three by default), each against a baseline *in the same process* with the
+same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
 
 ``layer``        MoE layer forward + backward at the three shapes of ``bench/moe_layer.py`` (its ``SHAPES``,
-                 ``build_ours``, ``time_steps``, ``fwd_bwd_step``): bf16 vs ``fp8_rowwise`` (experts through torchao's
-                 FP8 rowwise grouped GEMM with our 16-row group padding, shared experts through torchao Float8Linear),
-                 same weights, same x / dy. Target: fp8 >= 1.2x bf16 at every shape.
-``step``         train step of the 8-layer Qwen3-30B-A3B-shaped bench model (``bench/train_step.py``'s ``run_ours``
-                 with ``extra_callbacks=(LowPrecisionTraining(...),)``): bf16 vs fp8_tensorwise and fp8_rowwise
-                 (tokens/s, peak memory). Target: >= 1.15x.
-``convergence``  ``--conv-steps`` (300) steps from the same init (same seed; the callback keeps every module's init,
-                 and each run records a checksum of its first batch and of its initial weights) on the embedded
-                 corpus: the FP8 recipes on the 8-layer bench model, the emulated MXFP8 / NVFP4 recipes on the
-                 ``tiny`` preset (each against its own bf16 run). Smoothed final loss = mean of the last
-                 ``--smooth`` steps; relative difference to bf16 (targets: FP8 1%, MXFP8 / NVFP4 3%). Curves go to
-                 ``<out stem>_curves.png`` (matplotlib) or ``.csv`` next to ``--out``.
+                 ``build_ours``, ``time_steps``, ``fwd_bwd_step``: Qwen3-30B-A3B 16384 tokens, DeepSeek-V3 and Mixtral
+                 8192), baseline vs ``--layer-recipes`` (default ``fp8_rowwise``: experts through torchao's FP8
+                 rowwise grouped GEMM with our 16-row group padding, shared experts through torchao Float8Linear),
+                 same weights, same x / dy, routing as initialised ("learned") and round-robin ("forced",
+                 ``MoEConfig.force_balance``; the issue's "balanced"). Also the output's relative difference to the
+                 baseline (quantization happened, and no more than that). Target: >= 1.2x at every shape.
+``step``         train step of the 8-layer Qwen3-30B-A3B-shaped bench model (``bench/train_step.py``'s ``run_ours``,
+                 4 x 4096 tokens): baseline vs ``--step-recipes`` (fp8_tensorwise, fp8_rowwise): tokens/s, peak
+                 memory. Target: >= 1.15x.
+``convergence``  ``--conv-steps`` (300) steps of ``--preset`` from the same init (same seed: the callback keeps
+                 every module's init; each run records checksums of its first batch and initial weights) on the
+                 embedded corpus, baseline then each of ``--recipes``. ``bench8``: the 8-layer bench model (lr 3e-4);
+                 ``tiny``: the main job's model and settings (``examples/configs/tiny.yaml``: lr 3e-3, 8 x 256
+                 tokens, AdamW wd 0.1). Both: warmup min(20, steps / 10), cosine to 0.1 x lr, clip 1.0.
+                 Smoothed final loss = mean train loss of the last ``--smooth`` (20) steps; relative difference to
+                 the baseline (targets: FP8 recipes 1%, MXFP8 / NVFP4 3%). Curves: ``<out stem>_curves.png``
+                 (matplotlib, the ``bench`` extra) or ``.csv``.
 
-On CPU (``--device cpu --small``: toy sizes, a few steps) every recipe runs emulated (``emulate=True``): a smoke test.
+Emulation: on CPU every recipe runs emulated; MXFP8 / NVFP4 always do (no sm100 kernels wired); ``--emulate``
+forces it for the FP8 recipes on CUDA too. ``--small``: toy sizes for a smoke test (tests/test_low_precision_bench.py).
 
-GPU commands (one H200; repository root):
-    python bench/low_precision.py --mode layer --out bench/results/low_precision_layer_h200.json
-    python bench/low_precision.py --mode step --out bench/results/low_precision_step_h200.json
-    python bench/low_precision.py --mode convergence --out bench/results/low_precision_conv_h200.json
-    python bench/low_precision.py --device cpu --small --out /tmp/lowp.json          # smoke test (CPU)
+Time: ``--time-limit S`` bounds the whole call. Before each unit (a layer shape, a step run, a convergence run) the
+script checks what is left and skips the unit with a "SKIPPED" line when it cannot fit; a convergence run gets an
+equal share of what is left as Lightning ``max_time`` (a truncated pair is compared at its common length and
+flagged). Every run prints its wall time and seconds per step; the JSON is rewritten after every unit.
+
+GPU (one H200; repository root). All three modes in one call, ~8 minutes (layer ~1 min, step ~1.5 min, the rest to
+300-step convergence runs of fp8_tensorwise and fp8_rowwise vs bf16; a run that cannot finish is cut and flagged):
+    python bench/low_precision.py --time-limit 480 --out bench/results/low_precision_h200.json
+CPU (the emulated MXFP8 / NVFP4 convergence on the tiny preset; 1.5 / 4 / 5.5 minutes for baseline / mxfp8 / nvfp4
+on one thread of a 2-core Xeon: ``--threads 1`` on a shared machine, where 2 threads ran 10x slower; bf16-true runs
+about as fast as the default 32-true there):
+    python bench/low_precision.py --device cpu --threads 1 --precision bf16-true --mode convergence --preset tiny \\
+        --recipes mxfp8,nvfp4 --conv-steps 300 --out bench/results/low_precision_tiny_cpu_bf16.json
+Curves of a report written where matplotlib is missing (a CSV there), redrawn elsewhere:
+    python bench/low_precision.py --plot-from bench/results/low_precision_h200.json
+Smoke test (CPU, seconds):
+    python bench/low_precision.py --device cpu --small --shapes mixtral --conv-steps 3 --out /tmp/lowp.json
 """
 
 from __future__ import annotations
@@ -37,16 +56,22 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import argparse
 import csv
 import dataclasses
+import datetime
 import json
+import math
+import platform
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_HERE = Path(__file__).resolve().parent
+for _p in (str(_HERE.parent), str(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import moe_layer  # noqa: E402
 import train_step  # noqa: E402
@@ -55,97 +80,212 @@ from lightning_moe.callbacks import LowPrecisionTraining  # noqa: E402
 
 FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise")
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
+ALL_RECIPES = FP8_RECIPES + BLOCK_RECIPES
+BASE = "baseline"
 TARGETS = {"layer": 1.2, "step": 1.15, "fp8": 0.01, "block": 0.03}
+TINY_YAML = _HERE.parent / "examples" / "configs" / "tiny.yaml"
+# rough seconds a unit needs on an H200 (setup included), to decide before starting it; CPU --small: a few seconds
+UNIT_S = {"cuda": {"layer": 25.0, "step": 45.0, "convergence": 45.0}, "cpu": {"layer": 5.0, "step": 10.0,
+                                                                              "convergence": 10.0}}
+# per convergence run: model build, data setup and teardown, outside Lightning's max_time
+MARGIN_S = {"cuda": 15.0, "cpu": 3.0}
 
 
 def log(*a: Any) -> None:
     print(*a, flush=True)
 
 
+class Budget:
+    """``--time-limit``: seconds left, and whether a unit that needs ``need`` seconds may start."""
+
+    def __init__(self, limit: Optional[float]) -> None:
+        self.limit, self.t0 = limit, time.perf_counter()
+
+    def left(self) -> float:
+        return math.inf if self.limit is None else self.limit - (time.perf_counter() - self.t0)
+
+    def allows(self, need: float, what: str) -> bool:
+        if self.left() >= need:
+            return True
+        log(f"SKIPPED {what}: {max(0.0, self.left()):.0f} s left of --time-limit {self.limit:.0f} s, needs ~{need:.0f} s")
+        return False
+
+
+def _emulate(recipe: str, args: argparse.Namespace) -> bool:
+    return args.device == "cpu" or args.emulate or recipe in BLOCK_RECIPES
+
+
 def _callback(recipe: str, args: argparse.Namespace) -> LowPrecisionTraining:
-    return LowPrecisionTraining(recipe, emulate=args.device == "cpu" or recipe in BLOCK_RECIPES)
+    return LowPrecisionTraining(recipe, emulate=_emulate(recipe, args))
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _fmt(v: Any, spec: str) -> str:
+    """``format(v, spec)``, or "-" right-aligned to the spec's width when ``v`` is None / NaN."""
+    if v is None or (isinstance(v, float) and v != v):
+        width = "".join(c for c in spec.split(".")[0] if c.isdigit())
+        return "-".rjust(int(width) if width else 1)
+    return format(v, spec)
 
 
 # ------------------------------------------------------------------------------------------------ (a) layer
-def bench_layer(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def bench_layer(args: argparse.Namespace, device: torch.device, budget: Budget) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16 if "bf16" in args.precision else torch.float32
+    recipes = (BASE, *args.layer_recipes)
     out = []
-    for name in args.shapes.split(","):
-        cfg = moe_layer.model_config(name, args.small)
-        T = moe_layer.SMALL_TOKENS if args.small else moe_layer.SHAPES[name]["tokens"]
-        gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(1, T, cfg.hidden_size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-        dy = torch.randn(1, T, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
-        res: dict[str, Any] = {"shape": name, "tokens": T}
-        for recipe in ("bf16", "fp8_rowwise"):
+    for name in args.shapes:
+        res: dict[str, Any] = {"shape": name}
+        out.append(res)
+        if not budget.allows(UNIT_S[device.type]["layer"], f"layer {name}"):
+            res["skipped"] = "time limit"
+            continue
+        try:
+            cfg = moe_layer.model_config(name, args.small)
+            T = moe_layer.SMALL_TOKENS if args.small else moe_layer.SHAPES[name]["tokens"]
+            gen = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(1, T, cfg.hidden_size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+            dy = torch.randn(1, T, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+        except Exception as e:  # report, keep going
+            res["error"] = _err(e)
+            log(f"layer {name}: {res['error']}")
+            continue
+        res["tokens"] = T
+        y_base = None
+        for recipe in recipes:
             r: dict[str, Any] = {}
+            res[recipe] = r
+            layer = None
             try:
                 layer = moe_layer.build_ours(cfg, device, dtype, seed=0)
-                if recipe != "bf16":
+                if recipe != BASE:
                     cb = _callback(recipe, args)
                     cb.device = device
                     cb.transform_model(layer)
-                    r["converted"] = cb.converted
-                r.update(moe_layer.time_steps(moe_layer.fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters))
-                r.pop("times_ms", None)
-                del layer
+                    r["converted"], r["emulate"] = cb.converted, cb.emulate
+                with torch.no_grad():
+                    y = layer(x).float()
+                if recipe == BASE:
+                    y_base = y
+                elif y_base is not None:
+                    r["y_rel_diff"] = float((y - y_base).norm() / y_base.norm())
+                del y
+                for routing in args.routing:
+                    layer.router.config.force_balance = routing == "forced"
+                    try:
+                        t = moe_layer.time_steps(moe_layer.fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters)
+                    finally:
+                        layer.router.config.force_balance = False
+                    t.pop("times_ms", None)
+                    r[routing] = t
             except Exception as e:  # report, keep going
-                r["error"] = f"{type(e).__name__}: {e}"
-            res[recipe] = r
-        if "ms" in res["bf16"] and "ms" in res["fp8_rowwise"]:
-            res["speedup"] = res["bf16"]["ms"] / res["fp8_rowwise"]["ms"]
-        log(f"layer {name:12s} T={T}: bf16 {res['bf16'].get('ms', res['bf16'].get('error'))} ms, fp8_rowwise "
-            f"{res['fp8_rowwise'].get('ms', res['fp8_rowwise'].get('error'))} ms, speedup "
-            f"{res.get('speedup', float('nan')):.3f} (target >= {TARGETS['layer']})")
-        out.append(res)
+                r["error"] = _err(e)
+                log(traceback.format_exc())
+            finally:
+                del layer
+                train_step.reset_memory(device)
+        for routing in args.routing:
+            base_ms = res[BASE].get(routing, {}).get("ms")
+            for recipe in args.layer_recipes:
+                ms = res[recipe].get(routing, {}).get("ms")
+                if base_ms and ms:
+                    res[recipe][routing]["speedup"] = base_ms / ms
+        log(layer_lines(res, args))
     return out
 
 
+def layer_lines(res: dict[str, Any], args: argparse.Namespace) -> str:
+    if "skipped" in res or "error" in res:
+        return f"layer {res['shape']:12s} {res.get('skipped') or res.get('error')}"
+    lines = []
+    for recipe in (BASE, *args.layer_recipes):
+        r = res.get(recipe, {})
+        if "error" in r:
+            lines.append(f"layer {res['shape']:12s} T={res['tokens']:6d} {recipe:15s} ERROR {r['error']}")
+            continue
+        parts = []
+        for routing in args.routing:
+            t = r.get(routing, {})
+            sp = f" {t['speedup']:.3f}x" if "speedup" in t else ""
+            parts.append(f"{routing} {t.get('ms', float('nan')):8.3f} ms{sp}")
+        diff = f"  y rel diff {r['y_rel_diff']:.2e}" if "y_rel_diff" in r else ""
+        lines.append(f"layer {res['shape']:12s} T={res['tokens']:6d} {recipe:15s} " + ", ".join(parts) + diff
+                     + (f"  (target >= {TARGETS['layer']}x)" if recipe != BASE else ""))
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------ (b) step
-class _InitChecksum:
-    """Sum of all parameters at the start of training (a Lightning callback, duck-typed)."""
+def _init_checksum_callback() -> Any:
+    """A Lightning callback recording the sum of all parameters when training starts (same init check)."""
+    import lightning as L
 
-    def __new__(cls) -> Any:
-        import lightning as L
+    class InitChecksum(L.Callback):
+        value: Optional[float] = None
 
-        class _C(L.Callback):
-            value: Optional[float] = None
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            with torch.no_grad():
+                self.value = float(sum(p.float().sum() for p in pl_module.parameters()
+                                       if not hasattr(p, "full_tensor")))
 
-            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-                with torch.no_grad():
-                    self.value = float(sum(p.float().sum() for p in pl_module.parameters()
-                                           if not hasattr(p, "full_tensor")))
-
-        return _C()
+    return InitChecksum()
 
 
 def _run(label: str, cfg: Any, recipe: str, args: argparse.Namespace, device: torch.device, peak: Optional[dict],
-         timed: bool, steps: int, seq_len: int, batch_size: int, lr: float) -> dict[str, Any]:
+         timed: bool, steps: int, seq_len: int, batch_size: int, lr: float, **run_kwargs: Any) -> dict[str, Any]:
     ts_args = argparse.Namespace(steps=steps, warmup=args.warmup, precision=args.precision, loss_impl="auto",
                                  profile=False, out=args.out)
-    chk = _InitChecksum()
-    extra = (chk,) if recipe == "bf16" else (chk, _callback(recipe, args))
+    chk = _init_checksum_callback()
+    extra = (chk,) if recipe == BASE else (chk, _callback(recipe, args))
     r = train_step.run_ours(f"{label}-{recipe}", cfg, seq_len, batch_size, ts_args, lr, device, peak, timed,
-                            extra_callbacks=extra)
-    r["recipe"], r["init_checksum"] = recipe, chk.value
+                            extra_callbacks=extra, seed=args.seed, **run_kwargs)
+    r["recipe"], r["init_checksum"], r["precision"] = recipe, chk.value, args.precision
+    r["emulate"] = None if recipe == BASE else _emulate(recipe, args)
+    n = len(r.get("step_times_s") or [])
+    r["mean_step_s"] = sum(r["step_times_s"]) / n if n else None
+    log(f"run {label}-{recipe}: {n} steps in {r['wall_s']:.1f} s wall "
+        f"({'-' if r['mean_step_s'] is None else format(r['mean_step_s'], '.3f')} s/step)")
     return r
 
 
-def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    ts_args = argparse.Namespace(small=args.small, layers=2 if args.small else 8, seq_len=args.seq_len)
-    cfg = train_step.qwen_config(ts_args)
+def _bench8_config(args: argparse.Namespace) -> Any:
+    return train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
+                                                     seq_len=args.seq_len))
+
+
+def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -> list[dict[str, Any]]:
+    cfg = _bench8_config(args)
     peak = None
     if device.type == "cuda":
-        peak = train_step.measure_matmul_peak(device)
-    runs = [_run("qwen3-8L", cfg, rec, args, device, peak, True, args.steps, args.seq_len, args.batch_size, 3e-4)
-            for rec in ("bf16", *FP8_RECIPES)]
+        try:
+            peak = train_step.measure_matmul_peak(device)
+        except Exception as e:  # the ratios do not need it
+            log(f"matmul peak: {_err(e)}")
+    runs: list[dict[str, Any]] = []
+    for recipe in (BASE, *args.step_recipes):
+        if not budget.allows(UNIT_S[device.type]["step"], f"step {recipe}"):
+            runs.append({"recipe": recipe, "skipped": "time limit"})
+            continue
+        runs.append(_run("bench8" if not args.small else "bench8-small", cfg, recipe, args, device, peak, True,
+                         args.steps, args.seq_len, args.batch_size, 3e-4))
     base = runs[0].get("tokens_per_s")
     for r in runs:
         if base and r.get("tokens_per_s"):
             r["speedup"] = r["tokens_per_s"] / base
-        log(f"step {r['recipe']:15s} tokens/s {r.get('tokens_per_s')} speedup {r.get('speedup')} "
-            f"(target >= {TARGETS['step']}) peak {r.get('peak_gib')} GiB {r.get('error', '')}")
+    log(step_table(runs))
     return runs
+
+
+def step_table(runs: list[dict[str, Any]]) -> str:
+    lines = [f"{'step recipe':17s} {'tokens/s':>10s} {'speedup':>8s} {'peak GiB':>9s}  note"]
+    target = f"  (target >= {TARGETS['step']}x)"
+    for r in runs:
+        note = r.get("skipped") or (r.get("error") or "")[:100]
+        lines.append(f"{r['recipe']:17s} {_fmt(r.get('tokens_per_s'), '10.0f')} "
+                     f"{_fmt(r.get('speedup'), '8.3f')} {_fmt(r.get('peak_gib'), '9.2f')}  "
+                     f"{note}{'' if r['recipe'] == BASE else target}")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ (c) convergence
@@ -154,34 +294,127 @@ def smoothed(losses: list[float], n: int) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
-def bench_convergence(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The main job's model, data and optimisation settings (examples/configs/tiny.yaml)."""
+    import yaml
+
     from lightning_moe.config import ModelConfig
 
-    ts_args = argparse.Namespace(small=args.small, layers=2 if args.small else 8, seq_len=args.seq_len)
-    groups = {"qwen3-8L": (train_step.qwen_config(ts_args), FP8_RECIPES, 3e-4, args.seq_len, args.batch_size),
-              "tiny": (ModelConfig.from_preset("tiny"), BLOCK_RECIPES, 3e-3, 128 if args.small else 256, 16)}
-    report: dict[str, Any] = {"runs": [], "summary": []}
-    for label, (cfg, recipes, lr, seq_len, bs) in groups.items():
-        base = _run(label, cfg, "bf16", args, device, None, False, args.conv_steps, seq_len, bs, lr)
-        report["runs"].append(base)
-        for recipe in recipes:
-            r = _run(label, cfg, recipe, args, device, None, False, args.conv_steps, seq_len, bs, lr)
-            report["runs"].append(r)
-            b, q = smoothed(base["losses"], args.smooth), smoothed(r["losses"], args.smooth)
-            target = TARGETS["fp8" if recipe in FP8_RECIPES else "block"]
-            s = {"model": label, "recipe": recipe, "steps": args.conv_steps, "bf16_final": b, "final": q,
-                 "rel_diff": (q - b) / b, "target": target, "ok": abs((q - b) / b) <= target,
-                 "same_init": r["init_checksum"] == base["init_checksum"],
-                 "same_data": r.get("first_batch_checksum") == base.get("first_batch_checksum"),
-                 "error": r.get("error")}
-            report["summary"].append(s)
-            log(f"convergence {label} {recipe}: smoothed final {q:.4f} vs bf16 {b:.4f}: {100 * s['rel_diff']:+.2f}% "
-                f"(target {100 * target:.0f}%) same init {s['same_init']} same data {s['same_data']}")
-    save_curves(report["runs"], Path(args.out))
+    spec = yaml.safe_load(TINY_YAML.read_text())
+    model, data, trainer = spec["model"], spec["data"], spec["trainer"]
+    return {"cfg": ModelConfig.from_preset(model["config"]), "lr": float(model["lr"]),
+            "seq_len": 64 if args.small else int(data["seq_len"]), "batch_size": 2 if args.small else int(data["batch_size"]),
+            "module": {"min_lr_ratio": float(model["min_lr_ratio"]), "weight_decay": float(model["weight_decay"])},
+            "data": {"val_fraction": float(data["val_fraction"]), "seed": int(data["seed"])},
+            "clip": float(trainer["gradient_clip_val"]), "source": str(TINY_YAML.relative_to(_HERE.parent))}
+
+
+def _bench8_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"cfg": _bench8_config(args), "lr": 3e-4, "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "module": {"min_lr_ratio": 0.1, "weight_decay": 0.1}, "data": {}, "clip": 1.0,
+            "source": "bench/train_step.py qwen_config (8 layers)"}
+
+
+def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Budget) -> dict[str, Any]:
+    s = _tiny_settings(args) if args.preset == "tiny" else _bench8_settings(args)
+    steps = args.conv_steps
+    warmup = max(1, min(20, steps // 10))
+    report: dict[str, Any] = {"preset": args.preset, "settings": {k: v for k, v in s.items() if k != "cfg"},
+                              "warmup_steps": warmup, "steps": steps, "smooth": args.smooth, "runs": [], "summary": []}
+    report["settings"]["precision"] = args.precision
+    names = (BASE, *args.recipes)
+    for i, recipe in enumerate(names):
+        left = budget.left()
+        share = left / (len(names) - i)  # equal shares of what is left
+        if not budget.allows(UNIT_S[device.type]["convergence"], f"convergence {args.preset} {recipe}"):
+            report["runs"].append({"model": f"{args.preset}-{recipe}", "recipe": recipe, "skipped": "time limit",
+                                   "losses": []})
+            continue
+        trainer_kwargs: dict[str, Any] = {"gradient_clip_val": s["clip"]}
+        if math.isfinite(share):
+            train_s = max(1.0, share - MARGIN_S[device.type])
+            trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
+            log(f"convergence {args.preset} {recipe}: up to {train_s:.0f} s of training (--time-limit share)")
+        r = _run(args.preset, s["cfg"], recipe, args, device, None, False, steps, s["seq_len"], s["batch_size"],
+                 s["lr"], module_kwargs={"warmup_steps": warmup, **s["module"]}, trainer_kwargs=trainer_kwargs,
+                 data_kwargs=s["data"])
+        r["truncated"] = len(r["losses"]) < steps
+        if r["truncated"]:
+            log(f"convergence {args.preset} {recipe}: stopped after {len(r['losses'])} of {steps} steps "
+                f"({'error' if 'error' in r else 'time limit'})")
+        report["runs"].append(r)
+    base = report["runs"][0]
+    for r in report["runs"][1:]:
+        report["summary"].append(compare(base, r, args, steps))
+    log(convergence_table(report))
+    path = save_curves(report["runs"], Path(args.out), args.smooth, f"{args.preset}, {args.precision}")
+    report["curves"] = str(path) if path else None
     return report
 
 
-def save_curves(runs: list[dict[str, Any]], out: Path) -> Path:
+def compare(base: dict[str, Any], r: dict[str, Any], args: argparse.Namespace, steps: int) -> dict[str, Any]:
+    recipe = r["recipe"]
+    target = TARGETS["fp8" if recipe in FP8_RECIPES else "block"]
+    s: dict[str, Any] = {"model": args.preset, "recipe": recipe, "steps": steps, "target": target,
+                         "emulate": r.get("emulate"), "precision": args.precision}
+    if r.get("skipped") or base.get("skipped"):
+        s["note"] = "skipped (time limit)"
+        return s
+    n = min(len(base["losses"]), len(r["losses"]))
+    s["compared_steps"] = n
+    if n == 0:
+        s["note"] = r.get("error") or base.get("error") or "no losses"
+        return s
+    b, q = smoothed(base["losses"][:n], args.smooth), smoothed(r["losses"][:n], args.smooth)
+    s.update({"baseline_final": b, "final": q, "rel_diff": (q - b) / b,
+              "same_init": r.get("init_checksum") == base.get("init_checksum"),
+              "same_data": r.get("first_batch_checksum") == base.get("first_batch_checksum"),
+              "seconds": r.get("wall_s"), "mean_step_s": r.get("mean_step_s")})
+    if n < steps:
+        s["note"] = f"compared at step {n} of {steps} (truncated)"
+        s["ok"] = None
+    else:
+        s["ok"] = abs(s["rel_diff"]) <= target and s["same_init"] and s["same_data"]
+    if r.get("error"):
+        s["error"] = r["error"]
+    return s
+
+
+def convergence_table(report: dict[str, Any]) -> str:
+    lines = [f"convergence: {report['preset']}, {report['steps']} steps, precision {report['settings']['precision']}, "
+             f"final = mean train loss of the last steps",
+             f"{'recipe':15s} {'steps':>6s} {'final':>8s} {'baseline':>9s} {'rel diff':>9s} {'target':>7s} "
+             f"{'ok':>5s} {'s/step':>7s} {'wall s':>7s}  note"]
+    base = report["runs"][0] if report["runs"] else {}
+    lines.append(f"{BASE:15s} {len(base.get('losses', [])):6d} {_fmt(smoothed(base.get('losses', []), report['smooth']), '8.4f')} "
+                 f"{'':9s} {'':9s} {'':7s} {'':5s} {_fmt(base.get('mean_step_s'), '7.3f')} "
+                 f"{_fmt(base.get('wall_s'), '7.0f')}  {base.get('skipped') or base.get('error') or ''}")
+    for s in report["summary"]:
+        rd = s.get("rel_diff")
+        lines.append(f"{s['recipe']:15s} {s.get('compared_steps', 0):6d} {_fmt(s.get('final'), '8.4f')} "
+                     f"{_fmt(s.get('baseline_final'), '9.4f')} "
+                     f"{'-' if rd is None else format(100 * rd, '+8.2f') + '%':>9s} {100 * s['target']:6.0f}% "
+                     f"{str(s.get('ok', '-')):>5s} {_fmt(s.get('mean_step_s'), '7.3f')} "
+                     f"{_fmt(s.get('seconds'), '7.0f')}  {s.get('note', '')} {s.get('error', '')}"
+                     f"{'' if s.get('same_init', True) else ' DIFFERENT INIT'}"
+                     f"{'' if s.get('same_data', True) else ' DIFFERENT DATA'}")
+    return "\n".join(lines)
+
+
+def _moving_average(v: list[float], n: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(v):
+        acc += x
+        if i >= n:
+            acc -= v[i - n]
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) -> Optional[Path]:
+    runs = [r for r in runs if r.get("losses")]
+    if not runs:
+        return None
     stem = out.with_name(out.stem + "_curves")
     try:
         import matplotlib
@@ -194,24 +427,45 @@ def save_curves(runs: list[dict[str, Any]], out: Path) -> Path:
             w = csv.writer(f)
             w.writerow(["run", "step", "loss"])
             for r in runs:
-                w.writerows((r["model"], i, v) for i, v in enumerate(r["losses"]))
-        log(f"curves: {path} (matplotlib not importable)")
+                w.writerows((r["model"], i + 1, v) for i, v in enumerate(r["losses"]))
+        log(f"curves: {path} (matplotlib not importable: pip install 'lightning_moe[bench]' for a PNG)")
         return path
-    models = sorted({r["model"].rsplit("-", 1)[0] for r in runs})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, m in zip(axes[0], models):
-        for r in runs:
-            if r["model"].rsplit("-", 1)[0] == m:
-                ax.plot(r["losses"], label=r["recipe"], lw=1)
-        ax.set_title(m)
-        ax.set_xlabel("step")
-        ax.set_ylabel("train loss")
-        ax.legend()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    base = _moving_average(runs[0]["losses"], smooth) if runs[0]["recipe"] == BASE else None
+    for r in runs:
+        steps = range(1, len(r["losses"]) + 1)
+        ma = _moving_average(r["losses"], smooth)
+        line, = ax.plot(steps, ma, lw=1.4, label=f"{r['recipe']} (moving mean of {smooth})")
+        ax.plot(steps, r["losses"], lw=0.5, alpha=0.3, color=line.get_color())
+        if base is not None and r["recipe"] != BASE:
+            n = min(len(ma), len(base))
+            ax2.plot(range(1, n + 1), [100 * (a - b) / b for a, b in zip(ma[:n], base[:n])], lw=1.2,
+                     color=line.get_color(), label=r["recipe"])
+    ax.set_title(f"train loss ({title})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax2.axhline(0, color="k", lw=0.6)
+    ax2.set_title(f"moving mean vs {BASE}, %")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("relative difference (%)")
+    if ax2.lines[1:]:
+        ax2.legend()
     path = stem.with_suffix(".png")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     log(f"curves: {path}")
     return path
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _recipes(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    out = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in out if v not in allowed]
+    if bad:
+        raise SystemExit(f"{what}: unknown recipe(s) {bad}; choose from {list(allowed)}")
+    return out
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -219,51 +473,137 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--mode", default="layer,step,convergence", help="comma-separated: layer, step, convergence")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--small", action="store_true", help="toy sizes and few steps (CPU smoke test)")
-    p.add_argument("--shapes", default="qwen3,deepseek_v3,mixtral")
-    p.add_argument("--iters", type=int, default=None, help="timed layer steps (default 20; 2 with --small)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5; 1 with --small)")
-    p.add_argument("--steps", type=int, default=None, help="train-step mode steps (default 20; 4 with --small)")
-    p.add_argument("--conv-steps", type=int, default=None, help="convergence steps (default 300; 8 with --small)")
-    p.add_argument("--smooth", type=int, default=None, help="steps averaged for the final loss (default 20; 3 small)")
-    p.add_argument("--seq-len", type=int, default=None, help="default 4096 (128 with --small)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--precision", default=None, help="Lightning precision; default bf16-true (cuda), 32-true (cpu)")
+    p.add_argument("--emulate", action="store_true", help="emulate the FP8 recipes on CUDA too (always on CPU)")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole call (units that cannot "
+                   "fit are skipped, convergence runs cut and flagged)")
+    p.add_argument("--precision", default=None, help="Lightning precision of every run (baseline and recipes); "
+                   "default bf16-true (cuda), 32-true (cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed of every run (the data order is the "
+                   "data module's own seed); another seed's baseline gauges the run-to-run spread")
     p.add_argument("--out", default="bench_low_precision.json")
+    p.add_argument("--plot-from", default=None, metavar="JSON", help="only redraw the convergence curves of a "
+                   "report this script wrote (e.g. a GPU run's, on a machine with matplotlib), next to it")
+    g = p.add_argument_group("layer")
+    g.add_argument("--shapes", default="qwen3,deepseek_v3,mixtral")
+    g.add_argument("--layer-recipes", default="fp8_rowwise")
+    g.add_argument("--routing", default="learned,forced", help="learned (as initialised) and/or forced (balanced)")
+    g.add_argument("--iters", type=int, default=None, help="timed layer steps (default 20; 2 with --small)")
+    g.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5; 1 with --small)")
+    g = p.add_argument_group("step")
+    g.add_argument("--step-recipes", default="fp8_tensorwise,fp8_rowwise")
+    g.add_argument("--steps", type=int, default=None, help="train-step mode steps (default 20; 4 with --small)")
+    g.add_argument("--seq-len", type=int, default=None, help="bench8 sequence length (default 4096; 128 --small)")
+    g.add_argument("--batch-size", type=int, default=4, help="bench8 batch size")
+    g = p.add_argument_group("convergence")
+    g.add_argument("--preset", choices=["bench8", "tiny"], default=None,
+                   help="bench8: the 8-layer bench model (default on cuda); tiny: the main job (default on cpu)")
+    g.add_argument("--recipes", default=None, help="default: fp8_tensorwise,fp8_rowwise for bench8, mxfp8,nvfp4 "
+                   "for tiny")
+    g.add_argument("--conv-steps", type=int, default=None, help="steps per run (default 300; 8 with --small)")
+    g.add_argument("--smooth", type=int, default=None, help="steps averaged for the final loss (default 20; 3 small)")
     a = p.parse_args(argv)
-    small = a.small
     for k, full, tiny in (("iters", 20, 2), ("warmup", 5, 1), ("steps", 20, 4), ("conv_steps", 300, 8),
                           ("smooth", 20, 3), ("seq_len", 4096, 128)):
         if getattr(a, k) is None:
-            setattr(a, k, tiny if small else full)
+            setattr(a, k, tiny if a.small else full)
     if a.precision is None:
         a.precision = "bf16-true" if a.device == "cuda" else "32-true"
+    if a.preset is None:
+        a.preset = "bench8" if a.device == "cuda" else "tiny"
+    if a.recipes is None:
+        a.recipes = ",".join(FP8_RECIPES if a.preset == "bench8" else BLOCK_RECIPES)
+    a.modes = [m.strip() for m in a.mode.split(",") if m.strip()]
+    bad = [m for m in a.modes if m not in ("layer", "step", "convergence")]
+    if bad:
+        raise SystemExit(f"--mode: unknown {bad}; choose from layer, step, convergence")
+    a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    bad = [s for s in a.shapes if s not in moe_layer.SHAPES]
+    if bad:
+        raise SystemExit(f"--shapes: unknown {bad}; choose from {list(moe_layer.SHAPES)}")
+    a.routing = [s.strip() for s in a.routing.split(",") if s.strip()]
+    if not a.routing or any(r not in ("learned", "forced") for r in a.routing):
+        raise SystemExit("--routing: learned and/or forced")
+    a.layer_recipes = _recipes(a.layer_recipes, ALL_RECIPES, "--layer-recipes")
+    a.step_recipes = _recipes(a.step_recipes, ALL_RECIPES, "--step-recipes")
+    a.recipes = _recipes(a.recipes, ALL_RECIPES, "--recipes")
     return a
+
+
+def environment(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    env = train_step.environment(device)
+    try:
+        import torchao
+
+        env["torchao"] = torchao.__version__
+    except Exception as e:  # noqa: BLE001
+        env["torchao"] = f"unavailable ({_err(e)})"
+    env["date"] = datetime.date.today().isoformat()
+    env["torch_threads"] = torch.get_num_threads()
+    env["cpu"] = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            env["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        env["cpu_count"] = os.cpu_count()
+    except (OSError, StopIteration):
+        pass
+    return env
+
+
+def plot_from(path: Path) -> int:
+    report = json.loads(path.read_text())
+    conv = report.get("convergence") or {}
+    if not conv.get("runs"):
+        log(f"{path}: no convergence runs to plot")
+        return 1
+    title = f"{conv.get('preset')}, {conv.get('settings', {}).get('precision')}"
+    return 0 if save_curves(conv["runs"], path, conv.get("smooth", 20), title) else 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.plot_from:
+        return plot_from(Path(args.plot_from))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = train_step.pick_device(args.device)
     if device is None:
         return 2
-    report: dict[str, Any] = {"args": vars(args), "env": train_step.environment(device)}
-    try:
-        import torchao
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    budget = Budget(args.time_limit)
+    report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, "command": " ".join(sys.argv),
+                              "env": environment(device, args)}
+    log(json.dumps(report["env"]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
 
-        report["env"]["torchao"] = torchao.__version__
-    except ImportError as e:
-        report["env"]["torchao"] = f"unavailable ({e})"
-    t0 = time.perf_counter()
-    modes = args.mode.split(",")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for mode, fn in (("layer", bench_layer), ("step", bench_step), ("convergence", bench_convergence)):
-        if mode in modes:
-            report[mode] = fn(args, device)
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1, default=str)
-    report["wall_s"] = time.perf_counter() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    log(f"wrote {args.out} ({report['wall_s']:.0f} s)")
+    def save() -> None:
+        report["wall_s"] = time.perf_counter() - budget.t0
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    modes: list[tuple[str, Callable[..., Any]]] = [("layer", bench_layer), ("step", bench_step),
+                                                    ("convergence", bench_convergence)]
+    for mode, fn in modes:
+        if mode not in args.modes:
+            continue
+        log(f"\n##### {mode} ({max(0.0, budget.left()):.0f} s left)" if args.time_limit else f"\n##### {mode}")
+        try:
+            report[mode] = fn(args, device, budget)
+        except Exception as e:  # a mode that fails as a whole: report, go on with the next
+            report[mode] = {"error": _err(e), "traceback": traceback.format_exc()}
+            log(report[mode]["traceback"])
+        save()
+    log("\n##### summary")
+    if "layer" in report and isinstance(report["layer"], list):
+        log("\n".join(layer_lines(r, args) for r in report["layer"]))
+    if "step" in report and isinstance(report["step"], list):
+        log(step_table(report["step"]))
+    if "convergence" in report and "runs" in report["convergence"]:
+        log(convergence_table(report["convergence"]))
+    save()
+    log(f"wrote {out} ({report['wall_s']:.0f} s)")
     return 0
 
 

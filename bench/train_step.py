@@ -171,11 +171,15 @@ def _err(e: BaseException) -> str:
 # ----------------------------------------------------------------------------------------- lightning_moe runs
 def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
              device: torch.device, peak: Optional[dict], timed: bool, strategy: Any = None,
-             extra_callbacks: tuple = (), variant: str = "", logger: Any = False) -> dict[str, Any]:
+             extra_callbacks: tuple = (), variant: str = "", logger: Any = False,
+             module_kwargs: Optional[dict[str, Any]] = None, trainer_kwargs: Optional[dict[str, Any]] = None,
+             data_kwargs: Optional[dict[str, Any]] = None, seed: int = 0) -> dict[str, Any]:
     """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
     strategy), ``extra_callbacks`` and ``logger`` (default: none) let other benchmarks (memory options, the routing
     monitor) reuse the run. ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally ``+compile``
-    (regional torch.compile through a one-device MoEParallelStrategy)."""
+    (regional torch.compile through a one-device MoEParallelStrategy). ``module_kwargs`` / ``trainer_kwargs`` /
+    ``data_kwargs`` override the ``MoELanguageModel`` / ``Trainer`` / ``TextDataModule`` arguments (e.g. the schedule,
+    gradient clipping, ``max_time``); ``seed`` seeds the initialisation (``L.seed_everything``)."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
@@ -205,13 +209,13 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     res: dict[str, Any] = {"model": label, "impl": "lightning_moe", "seq_len": seq_len, "batch_size": batch_size,
                            "steps": args.steps, "lr": lr}
     log(f"\n=== {label}: lightning_moe, {args.steps} steps, batch {batch_size} x {seq_len} ===")
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(seed, verbose=False)
     reset_memory(device)
     t_start = time.perf_counter()
     rec = StepRecorder()
     model = trainer = dm = None
     try:
-        dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
+        dm = TextDataModule(**{"seq_len": seq_len, "batch_size": batch_size, **(data_kwargs or {})})
         loss_impl, _, extra = (variant or getattr(args, "loss_impl", "auto")).partition("+")
         if extra == "compile":
             from lightning_moe.strategies import MoEParallelStrategy
@@ -219,21 +223,23 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
             strategy = MoEParallelStrategy(compile=True)
         elif extra:
             raise ValueError(f"unknown variant suffix {extra!r} (only '+compile')")
-        model = MoELanguageModel(cfg, lr=lr, warmup_steps=2, max_steps=args.steps, loss_impl=loss_impl)
-        trainer = L.Trainer(
-            accelerator="gpu" if device.type == "cuda" else "cpu",
-            devices=1,
-            strategy=strategy if strategy is not None else "auto",
-            precision=args.precision,
-            max_steps=args.steps,
-            logger=logger,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            callbacks=[rec, *extra_callbacks],
-        )
+        model = MoELanguageModel(cfg, **{"lr": lr, "warmup_steps": 2, "max_steps": args.steps, "loss_impl": loss_impl,
+                                         **(module_kwargs or {})})
+        trainer = L.Trainer(**{
+            "accelerator": "gpu" if device.type == "cuda" else "cpu",
+            "devices": 1,
+            "strategy": strategy if strategy is not None else "auto",
+            "precision": args.precision,
+            "max_steps": args.steps,
+            "logger": logger,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "limit_val_batches": 0,
+            "num_sanity_val_steps": 0,
+            "callbacks": [rec, *extra_callbacks],
+            **(trainer_kwargs or {}),
+        })
         prof = None
         if getattr(args, "profile", False) and timed and not getattr(args, "_profiled", False):
             args._profiled = True  # the first timed run only
@@ -414,7 +420,7 @@ def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.N
         opt, sched = hf_optimizer(model, lr, args.steps, device)
 
         # the same batches in the same order as the Lightning run (its sampler is seeded, epoch 0)
-        dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
+        dm = TextDataModule(**{"seq_len": seq_len, "batch_size": batch_size, **(data_kwargs or {})})
         dm.setup("fit")
         loader = dm.train_dataloader()
         it = iter(loader)

@@ -1,6 +1,8 @@
 """LowPrecisionTraining: every recipe in emulation against the high-precision run (close, yet different), what stays in
 high precision, state-dict keys and checkpoints, hardware / argument errors, the experts' FP8 rowwise grouped GEMM
-against a reference written here, a short Trainer fit from a YAML-like config, and W=2 ep=2 against one process.
+against a reference written here, a short Trainer fit from a YAML-like config, W=2 ep=2 against one process, FSDP2's
+float8 all-gather (fp8_tensorwise) against the plain all-gather at W=2, and a W=2 distributed checkpoint written with
+the callback against one written without it (same entries and dtypes; loads into a plain one-process model).
 
 MXFP8 / NVFP4 go through ``lightning_moe.lowp.block_formats``; where that module is absent from the tree a stand-in
 (plain FP8 block quantize-dequantize) checks the wiring only, not those formats' numerics.
@@ -151,21 +153,28 @@ def test_keep_bf16_and_dims_that_do_not_fit(block_formats):
     assert type(lin[0]) is nn.Linear
 
 
-def test_checkpoints_round_trip_with_and_without_the_callback(tmp_path, block_formats):
+@pytest.mark.parametrize("recipe, kw", [("fp8_rowwise", {}), ("nvfp4", {}),
+                                        ("fp8_tensorwise", {"fsdp_float8_all_gather": True})],
+                         ids=["fp8_rowwise", "nvfp4", "fp8_tensorwise-fsdp_float8_all_gather"])
+def test_checkpoints_round_trip_with_and_without_the_callback(tmp_path, block_formats, recipe, kw):
     cfg = _config()
     plain = reference_model(cfg)
-    for recipe in ("fp8_rowwise", "nvfp4"):
-        lowp = _lowp(reference_model(cfg), recipe)
-        path = tmp_path / f"{recipe}.pt"
-        torch.save(lowp.state_dict(), path)
-        fresh = MoETransformer_like(cfg)
-        fresh.load_state_dict(torch.load(path, weights_only=True))  # saved with the callback, loaded without
-        for k, v in plain.state_dict().items():
-            assert torch.equal(fresh.state_dict()[k], v), k
-        back = _lowp(MoETransformer_like(cfg), recipe)
-        back.load_state_dict(plain.state_dict())  # and the other way round
-        ids = tokens(cfg)
-        assert torch.equal(back(ids), lowp(ids))
+    keys = {k: (v.shape, v.dtype) for k, v in plain.state_dict().items()}
+    lowp = _lowp(reference_model(cfg), recipe, **kw)
+    sd = lowp.state_dict()
+    # same keys, shapes and dtypes, and plain tensors (no torchao wrapper: loads without torchao)
+    assert {k: (v.shape, v.dtype) for k, v in sd.items()} == keys
+    assert all(type(v) is torch.Tensor for v in sd.values()), {k: type(v) for k, v in sd.items()}
+    path = tmp_path / f"{recipe}.pt"
+    torch.save(sd, path)
+    fresh = MoETransformer_like(cfg)
+    fresh.load_state_dict(torch.load(path, weights_only=True))  # saved with the callback, loaded without
+    for k, v in plain.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    back = _lowp(MoETransformer_like(cfg), recipe, **kw)
+    back.load_state_dict(plain.state_dict())  # and the other way round
+    ids = tokens(cfg)
+    assert torch.equal(back(ids), lowp(ids))
 
 
 def MoETransformer_like(cfg, seed=99, transform=None):  # noqa: N802 - a fresh model (other weights by default)
@@ -393,3 +402,133 @@ def test_block_recipes_refuse_tensor_parallel_dense_at_setup():
     with pytest.raises(ValueError, match="tp=2"):
         LowPrecisionTraining("nvfp4", emulate=True).setup(trainer, None, "fit")
     LowPrecisionTraining("nvfp4", emulate=True, dense=False).setup(trainer, None, "fit")  # experts only: fine
+
+
+# ---- FSDP2 float8 all-gather (fp8_tensorwise) ---------------------------------------------------------------------
+def _fsdp_fp8_worker(rank: int, world_size: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from lightning_moe.build import build_model
+    from lightning_moe.parallel import ParallelDims, parallelize
+
+    gathered = []  # dtypes FSDP2 all-gathers for the wrapped weights
+    pre = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    def spy(self, mesh):  # FSDP2 checks the signature: torchao's own
+        out = pre(self, mesh)
+        gathered.extend(t.dtype for t in out[0])
+        return out
+
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = spy
+    cfg = _config(top_k=2, aux=False)
+    weights = reference_model(cfg).state_dict()
+    dims = ParallelDims(world_size=world_size, ep=2).build_meshes("cpu")  # dense: FSDP2 over dp_shard=2
+
+    def load(model):
+        set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))
+        model.reset_buffers()
+
+    out = {}
+    for all_gather in (False, True):
+        gathered.clear()
+        cb = LowPrecisionTraining("fp8_tensorwise", emulate=True, fsdp_float8_all_gather=all_gather)
+        model = build_model(cfg, transforms=[cb.transform_model], initialize=load,
+                            parallelize=lambda m: (parallelize(m, dims), m)[1])
+        lin = model.layers["0"].attention.wq
+        assert isinstance(lin, Float8Linear) and lin.config.enable_fsdp_float8_all_gather is all_gather
+        ids = tokens(cfg, seed=100 + rank)
+        losses, scales = [], []
+        for _ in range(STEPS):
+            local = model(ids, labels_BS=ids)
+            (local / (ids.numel() * world_size)).backward()
+            total = local.detach().clone()
+            torch.distributed.all_reduce(total)
+            losses.append(float(total) / (ids.numel() * world_size))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= LR * p.grad
+                    p.grad = None
+            cb.on_train_batch_end(None, model, None, None, 0)  # after the optimizer step: precompute FP8 scales
+            local_w = lin.weight._local_tensor
+            scales.append(getattr(local_w, "_precomputed_scale", None) is not None)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        out[all_gather] = {"losses": losses, "gathered": sorted({str(d) for d in gathered}), "scales": scales,
+                           "wrapped": type(lin.weight._local_tensor).__name__,
+                           "plain": all(type(v) is torch.Tensor for v in full.values()),
+                           "w": full["layers.0.attention.wq.weight"].clone()}
+    return out
+
+
+def _fit_and_save(path: str, callbacks: list) -> dict:
+    """Two AdamW steps of a Trainer under MoEParallelStrategy(ep=2) at W=2, then a distributed checkpoint."""
+    import lightning as L
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_moe import MoELanguageModel, MoEParallelStrategy
+    from lightning_moe.data import TextDataModule
+
+    torch.manual_seed(0)
+    module = MoELanguageModel(_config(top_k=2), lr=3e-3, warmup_steps=1, max_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MoEParallelStrategy(ep=2), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=16, max_tokens=16 * 16 + 1, val_fraction=0.0,
+                                                  batch_size=2))
+    trainer.save_checkpoint(path)
+    full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() for k, v in full.items()}
+
+
+def _fsdp_fp8_and_checkpoint_worker(rank: int, world_size: int, tmp: str) -> dict:
+    out = {"all_gather": _fsdp_fp8_worker(rank, world_size)}
+    cb = LowPrecisionTraining("fp8_tensorwise", emulate=True, fsdp_float8_all_gather=True)
+    out["lowp_state"] = _fit_and_save(f"{tmp}/lowp", [cb])
+    _fit_and_save(f"{tmp}/plain", [])
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_fp8_run(tmp_path_factory) -> dict:
+    tmp = str(tmp_path_factory.mktemp("fsdp_fp8"))
+    out = run_distributed(_fsdp_fp8_and_checkpoint_worker, 2, tmp)
+    out["dir"] = tmp
+    return out
+
+
+def test_fsdp_float8_all_gather_under_fsdp2_is_exact(fsdp_fp8_run):
+    """W=2, FSDP2 over dp_shard=2 (+ ep=2 for the experts), fp8_tensorwise in emulation with and without torchao's
+    FP8 all-gather: FSDP2 gathers float8 weights (cast per shard with the global amax, precomputed after each step by
+    the callback), which are the very FP8 weights the plain path casts after gathering the high-precision ones: the
+    losses and weights agree exactly. The full state dict stays plain fp32. (Checked on CPU / gloo; the NCCL run on
+    the GPU machine is still owed.)"""
+    off, on = fsdp_fp8_run["all_gather"][False], fsdp_fp8_run["all_gather"][True]
+    assert on["wrapped"] == "WeightWithDynamicFloat8CastTensor" and off["wrapped"] != on["wrapped"]
+    assert on["gathered"] == ["torch.float8_e4m3fn"] and off["gathered"] == []
+    assert all(on["scales"]) and not any(off["scales"])
+    assert on["losses"] == off["losses"] and on["losses"][-1] < on["losses"][0]
+    assert torch.equal(on["w"], off["w"]) and on["plain"] and off["plain"]
+
+
+def test_distributed_checkpoint_with_the_callback_is_plain_and_loads_without_it(fsdp_fp8_run, tmp_path):
+    """A distributed checkpoint written at W=2 (FSDP2 + ep=2) with LowPrecisionTraining(fp8_tensorwise,
+    fsdp_float8_all_gather=True) has the same entries, shapes and dtypes (model and optimizer state) as one written
+    without the callback, and loads into a plain one-process model without it (the trained weights)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def entries(name):
+        meta = dcp.FileSystemReader(f"{fsdp_fp8_run['dir']}/{name}").read_metadata().state_dict_metadata
+        return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items() if hasattr(m, "size")}
+
+    lowp, plain = entries("lowp"), entries("plain")
+    assert lowp == plain
+    assert any(k.startswith("optimizer_0.state.") for k in lowp)
+    assert {dtype for _, dtype in lowp.values()} <= {torch.float32}, lowp
+    dcp_to_torch_save(f"{fsdp_fp8_run['dir']}/lowp", tmp_path / "one.pt")
+    saved = torch.load(tmp_path / "one.pt", weights_only=True)["state_dict"]
+    model = MoETransformer_like(_config(top_k=2))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in saved.items()})  # strict: every key
+    for k, v in fsdp_fp8_run["lowp_state"].items():
+        assert torch.equal(model.state_dict()[k], v), k

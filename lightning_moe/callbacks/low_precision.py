@@ -39,9 +39,10 @@ Transformer Engine is not used (its core wheel cannot be installed on our GPU ma
 
 Layouts: FSDP2 gathers the high-precision weights and the quantization runs on the gathered tensors;
 ``fsdp_float8_all_gather=True`` (``fp8_tensorwise`` only) makes FSDP2 all-gather FP8 weights instead (torchao's
-``enable_fsdp_float8_all_gather``; scales are precomputed after every optimizer step). Tensor parallelism keeps
-our Colwise/Rowwise styles: torchao's ``Float8Linear`` then runs on DTensors (amaxes reduce over the tp group);
-MXFP8 / NVFP4 dense linears under tp > 1 are refused at setup (blocks would straddle shards).
+``enable_fsdp_float8_all_gather``; scales are precomputed after every optimizer step; the same FP8 weights, so the
+same numbers, as gathering in high precision: tested at W=2 on gloo; the state dict keeps the plain weight).
+Tensor parallelism keeps our Colwise/Rowwise styles: torchao's ``Float8Linear`` then runs on DTensors (amaxes reduce
+over the tp group); MXFP8 / NVFP4 dense linears under tp > 1 are refused at setup (blocks would straddle shards).
 
 YAML (``lightning-moe fit``)::
 
@@ -298,6 +299,9 @@ class LowPrecisionTraining(L.Callback):
                                      emulate=self.emulate,
                                      enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in names)
+        if self.fsdp_float8_all_gather:
+            for name in names:  # the weight is now torchao's wrapper subclass: keep it out of checkpoints
+                model.get_submodule(name).register_state_dict_post_hook(_plain_fp8_weight)
         for name, cls in original.items():
             # keep the original initialisation (e.g. the shared experts' normal init): the same seed gives the
             # same initial weights with and without the callback
@@ -316,6 +320,18 @@ def _block_class(cls: type) -> type:
     if cls not in _BLOCK_CLASSES:
         _BLOCK_CLASSES[cls] = type(f"BlockScaled{cls.__name__.lstrip('_')}", (BlockScaledLinear, cls), {})
     return _BLOCK_CLASSES[cls]
+
+
+def _plain_fp8_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` post-hook of a Float8Linear whose weight torchao wrapped for the FP8 all-gather
+    (``WeightWithDynamicFloat8CastTensor``, a wrapper around the high-precision tensor): the state dict holds the
+    plain tensor, so a single-file checkpoint loads with ``weights_only=True`` without torchao and into a model
+    without the callback. Under FSDP the value is a DTensor whose local shard is the wrapper: distributed checkpoints
+    write its plain bytes and full state dicts are gathered to plain tensors already, so it is left alone."""
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if type(value).__name__ == "WeightWithDynamicFloat8CastTensor":
+        state_dict[key] = value._tensor.detach()
 
 
 def _is_float8_linear(m: nn.Module) -> bool:

@@ -5,7 +5,10 @@ Everything here is plain PyTorch (CPU and CUDA, no kernels, no external librarie
 (quantize, then dequantize, returning the input's dtype) so that the values a real sm100 block-scaled GEMM would
 multiply are reproduced bit for bit, and the GEMMs run in fp32 on those values. This is the reference path
 (DESIGN.md invariant 7) for the ``mxfp8`` / ``nvfp4`` recipes of
-:class:`~lightning_moe.callbacks.LowPrecisionTraining` (``emulate=True``); performance is irrelevant here.
+:class:`~lightning_moe.callbacks.LowPrecisionTraining` (``emulate=True``). Clarity first, but fast enough for CPU
+convergence runs (bench/low_precision.py): roundings are done in arithmetic on power-of-two spacings (bit for bit
+the E4M3 cast and the E2M1 table rounding, which the tests check against the formats' definitions), blocks along a
+leading dim are reduced in place rather than transposed, and full-size ``torch.where`` selects are avoided.
 
 Legend: N tokens (rows), D input features, K output features of a linear (``y_NK = x_ND @ w_KD.T``);
 for the grouped GEMM (the signature of ``torch._grouped_mm``) M rows, K contraction, N output, E groups.
@@ -38,7 +41,8 @@ Recipes (``block_scaled_linear`` / ``block_scaled_grouped_mm``)
 Limits of the emulation (documented, not hidden): inputs are quantized from their fp32 value (a float64 input is
 rounded to fp32 first); a block containing inf / NaN gives NaN (never a silently finite value); the quantizers
 are not meant to be differentiated through (the autograd functions define the recipe's backward); gradients use
-the device's default generator unless ``generator`` is given (a generator on the tensors' device); operands are
+the device's default generator unless ``generator`` is given (a generator on the tensors' device; one uniform draw
+per element of the zero-padded tensor, in its memory order, blocks laid along ``dim``); operands are
 plain tensors (handing local shards or gathered weights to these functions is the caller's business).
 """
 
@@ -81,20 +85,35 @@ Float = Union[float, Tensor]
 
 # ---- blocking ------------------------------------------------------------------------------------------------
 def _to_blocks(x: Tensor, dim: int, block: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
-    """``x`` -> ``[..., n_blocks, block]`` (``dim`` moved last, zero padded to a multiple of ``block``) and the
-    function mapping a tensor of that shape back to ``x``'s shape (padding dropped)."""
-    x = x.movedim(dim, -1)
-    n = x.shape[-1]
+    """``x`` viewed as ``[A, n_blocks, block, C]``: blocks of ``block`` consecutive elements along ``dim`` (zero
+    padded to a multiple of ``block``), A / C the flattened dims before / after ``dim``; and the function mapping a
+    tensor of that shape back to ``x``'s shape (padding dropped). The block axis is dim 2. No copy when ``x`` is
+    contiguous and ``x.shape[dim]`` a multiple of ``block``: blocking along a leading dim (the wgrad's token dim)
+    reduces over a middle axis, which is far faster on CPU than transposing first."""
+    shape = x.shape
+    dim = dim % x.dim()
+    n = shape[dim]
+    a, c = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
     n_blocks = -(-n // block)
-    pad = n_blocks * block - n
-    if pad:
-        x = F.pad(x, (0, pad))
-    lead = x.shape[:-1]
+    x3 = x.reshape(a, n, c)
+    if n_blocks * block != n:
+        x3 = F.pad(x3, (0, 0, 0, n_blocks * block - n))
 
     def back(yb: Tensor) -> Tensor:
-        return yb.reshape(*lead, n_blocks * block)[..., :n].movedim(-1, dim)
+        return yb.reshape(a, n_blocks * block, c)[:, :n].reshape(shape)
 
-    return x.reshape(*lead, n_blocks, block), back
+    return x3.reshape(a, n_blocks, block, c), back
+
+
+def _block_amax(xb: Tensor) -> Tensor:
+    """amax of |x| over the block axis (dim 2) of ``_to_blocks``' layout, keepdim."""
+    if xb.shape[-1] == 1:  # blocks along the last dim: a reduction over a small contiguous run, slow on CPU as is
+        a = xb.abs().flatten(-2)
+        while a.shape[-1] > 1 and a.shape[-1] % 2 == 0:  # pairwise maxima on halves (exact; the block is 2^k)
+            h = a.shape[-1] // 2
+            a = torch.maximum(a[..., :h], a[..., h:])
+        return a.amax(-1, keepdim=True).unsqueeze(-1)
+    return xb.abs().amax(2, keepdim=True)
 
 
 def _to_tiles(x: Tensor, tile: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
@@ -119,8 +138,23 @@ def _pow2(e: Tensor) -> Tensor:
     return torch.where(e >= -126, normal, torch.full_like(normal, 2.0**-127))
 
 
+def _exp2_floor(a: Tensor) -> Tensor:
+    """``2^floor(log2(a))`` for normal positive fp32 ``a`` (its exponent bits; 0 for 0 and fp32 subnormals)."""
+    return (a.view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def _round_e4m3(y: Tensor) -> Tensor:
+    """``y`` (fp32, |y| <= 448) rounded to float8 E4M3 (RNE, subnormals included), as fp32: bit for bit
+    ``y.to(torch.float8_e4m3fn).float()``, in arithmetic (the cast round trip is several times slower on CPU). The
+    E4M3 spacing at ``y`` is ``2^(floor(log2|y|) - 3)`` (3 mantissa bits), at least ``2^-9`` (the subnormal step); a
+    division by it is exact and ``torch.round`` rounds half to even (= the even code)."""
+    spacing = (_exp2_floor(y.abs()) * 0.125).clamp_(min=2.0**-9)
+    return torch.round(y / spacing).mul_(spacing)
+
+
 def _nan_where_nonfinite(q: Tensor, amax: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(amax), q, torch.full_like(q, float("nan")))
+    """``q``, NaN in the blocks whose amax is not finite (a multiply by 1 / NaN per block: keeps signed zeros)."""
+    return q * torch.where(torch.isfinite(amax), 1.0, float("nan"))
 
 
 # ---- MXFP8 -------------------------------------------------------------------------------------------------------
@@ -132,33 +166,33 @@ def quantize_mxfp8(x: Tensor, dim: int = -1) -> Tensor:
     ``float8_e4m3fn(clamp(x / X, -448, 448)) * X`` (round-to-nearest-even). An all-zero block gives zeros; a block
     holding inf or NaN gives NaN."""
     xb, back = _to_blocks(x.float(), dim, MX_BLOCK)
-    amax = xb.abs().amax(-1, keepdim=True)
+    amax = _block_amax(xb)
     _, exp = torch.frexp(amax)  # amax = m * 2^exp with m in [0.5, 1): floor(log2(amax)) = exp - 1, exact
     scale = _pow2((exp - 1 - E4M3_EMAX).clamp(E8M0_EXP_MIN, E8M0_EXP_MAX))  # zero block: any scale gives 0
-    elems = (xb / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # / 2^k is exact; RNE cast
-    q = _nan_where_nonfinite(elems.float() * scale, amax)
+    elems = _round_e4m3((xb * (1.0 / scale)).clamp_(-E4M3_MAX, E4M3_MAX))  # * 2^-k is exact; RNE
+    q = _nan_where_nonfinite(elems.mul_(scale), amax)
     return back(q).to(x.dtype)
 
 
 # ---- NVFP4 -------------------------------------------------------------------------------------------------------
 def _round_e2m1(v: Tensor, stochastic: bool, generator: Optional[torch.Generator]) -> Tensor:
     """Round fp32 ``v`` to the signed E2M1 grid, saturating at +-6: nearest with ties to the even code, or
-    stochastically between the two neighbouring grid points (P(up) = distance from the lower one / gap)."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)
-    a = v.abs().clamp(max=E2M1_MAX)
-    lo_i = torch.bucketize(a, grid, right=True) - 1  # largest grid point <= a
-    hi_i = (lo_i + 1).clamp(max=len(E2M1_GRID) - 1)
-    lo, hi = grid[lo_i], grid[hi_i]
+    stochastically between the two neighbouring grid points (P(up) = distance from the lower one / gap).
+
+    Arithmetic instead of a table: the grid's spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so with
+    ``k = |v| / spacing`` (exact: a power of two) the neighbours are ``floor(k)`` and ``floor(k) + 1`` spacings, the
+    code of ``k * spacing`` has the parity of ``k`` (ties to even = ``torch.round``), and P(up) = ``k - floor(k)``
+    (exact). NaN stays NaN."""
+    a = v.abs().clamp_(max=E2M1_MAX)
+    spacing = (_exp2_floor(a) * 0.5).clamp_(min=0.5)  # 0.5 below 2, 1 in [2, 4), 2 in [4, 6]
+    k = a / spacing
     if stochastic:
-        gap = hi - lo
-        p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
         u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
-        up = u < p_up
+        lo = torch.floor(k)
+        k = lo.add_((u < k - lo).to(torch.float32))
     else:
-        d_lo, d_hi = a - lo, hi - a  # both exact (Sterbenz), so ties are detected exactly
-        up = (d_hi < d_lo) | ((d_hi == d_lo) & (hi_i % 2 == 0))
-    q = torch.copysign(torch.where(up, hi, lo), v)
-    return torch.where(torch.isnan(v), v, q)
+        k = torch.round(k)
+    return torch.copysign(k.mul_(spacing), v)
 
 
 def _global_scale(xf: Tensor, global_amax: Optional[Float]) -> Tensor:
@@ -168,15 +202,16 @@ def _global_scale(xf: Tensor, global_amax: Optional[Float]) -> Tensor:
     return torch.where(g > 0, g / (E4M3_MAX * E2M1_MAX), torch.ones_like(g))
 
 
-def _nvfp4_blocks(xb: Tensor, s_global: Tensor, stochastic: bool, generator: Optional[torch.Generator]) -> Tensor:
-    """NVFP4 on fp32 blocks laid along the last dim of ``xb`` (16 elements, or 256 for a 16x16 tile)."""
-    block_amax = xb.abs().amax(-1, keepdim=True)
+def _nvfp4_blocks(xb: Tensor, block_amax: Tensor, s_global: Tensor, stochastic: bool,
+                  generator: Optional[torch.Generator]) -> Tensor:
+    """NVFP4 on fp32 blocks ``xb`` whose amaxes ``block_amax`` (keepdim, broadcasting against ``xb``) are given."""
     # E4M3 block scale (RNE); clamp: a user-given global_amax below the true amax saturates the scale at 448
     s_block = (block_amax / E2M1_MAX / s_global).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
     decoded = s_block * s_global
     # a block scale that underflows E4M3 (block tiny against the tensor) decodes to 0: the block becomes 0
-    v = torch.where(decoded > 0, xb / torch.where(decoded > 0, decoded, 1.0), 0.0)
-    q = _round_e2m1(v, stochastic, generator) * decoded
+    ok = decoded > 0
+    v = (xb / torch.where(ok, decoded, 1.0)).mul_(ok)  # per-block where, broadcast: no full-size select
+    q = _round_e2m1(v, stochastic, generator).mul_(decoded)
     return _nan_where_nonfinite(q, block_amax)
 
 
@@ -194,7 +229,7 @@ def quantize_nvfp4(x: Tensor, dim: int = -1, *, global_amax: Optional[Float] = N
         return x.clone()
     xf = x.float()
     xb, back = _to_blocks(xf, dim, NVFP4_BLOCK)
-    q = _nvfp4_blocks(xb, _global_scale(xf, global_amax), stochastic, generator)
+    q = _nvfp4_blocks(xb, _block_amax(xb), _global_scale(xf, global_amax), stochastic, generator)
     return back(q).to(x.dtype)
 
 
@@ -209,7 +244,7 @@ def quantize_nvfp4_2d(w: Tensor, *, global_amax: Optional[Float] = None) -> Tens
         return w.clone()
     wf = w.float()
     wt, back = _to_tiles(wf, NVFP4_BLOCK)
-    q = _nvfp4_blocks(wt, _global_scale(wf, global_amax), False, None)
+    q = _nvfp4_blocks(wt, wt.abs().amax(-1, keepdim=True), _global_scale(wf, global_amax), False, None)
     return back(q).to(w.dtype)
 
 
@@ -240,9 +275,12 @@ def random_hadamard_transform(x: Tensor, dim: int, *, block: int = 16, seed: int
     if block < 1 or block & (block - 1):
         raise ValueError(f"random_hadamard_transform: block must be a power of two, got {block}")
     m = _rht_matrix_cpu(block, int(seed)).to(x.device)
-    xb, _ = _to_blocks(x.float(), dim, block)
-    y = xb @ m.T  # [..., n_blocks, block]: row vector v -> (M v)^T
-    return y.reshape(*y.shape[:-2], -1).movedim(-1, dim).to(x.dtype)
+    xb, _ = _to_blocks(x.float(), dim, block)  # [A, n_blocks, block, C]
+    # each block v (along the block axis) -> M v
+    y = xb.squeeze(-1) @ m.T if xb.shape[-1] == 1 else torch.matmul(m, xb)
+    shape = list(x.shape)
+    shape[dim] = xb.shape[1] * block
+    return y.reshape(shape).to(x.dtype)
 
 
 # ---- recipe GEMMs (fp32 operands in, fp32 out) -------------------------------------------------------------------------

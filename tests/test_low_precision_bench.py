@@ -1,0 +1,66 @@
+"""bench/low_precision.py on CPU at toy sizes: every mode (layer, step, convergence) runs emulated and writes its JSON
+and curves; a --time-limit that leaves no time skips every unit with a message instead of failing. The GPU run
+(the issue's numbers) is the same script without --small (see its docstring)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8", reason="the fp8 dense linears use torchao (the ao extra)")
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "low_precision.py"
+SMOKE = ["--device", "cpu", "--small", "--shapes", "mixtral", "--iters", "1", "--warmup", "1", "--steps", "2",
+         "--seq-len", "64", "--conv-steps", "3", "--recipes", "fp8_rowwise,nvfp4"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_low_precision", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(bench, tmp_path, *extra):
+    out = tmp_path / "lowp.json"
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main([*SMOKE, "--out", str(out), *extra]) == 0
+    finally:
+        torch.set_num_threads(threads)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return json.loads(out.read_text()), out
+
+
+def test_every_mode_runs_on_cpu(bench, tmp_path, capsys):
+    report, out = _run(bench, tmp_path)
+    (layer,) = report["layer"]
+    assert layer["shape"] == "mixtral"
+    for routing in ("learned", "forced"):
+        assert layer["baseline"][routing]["ms"] > 0 and layer["fp8_rowwise"][routing]["speedup"] > 0
+    assert 1e-4 < layer["fp8_rowwise"]["y_rel_diff"] < 0.2  # quantized, and no more than that
+    assert [r["recipe"] for r in report["step"]] == ["baseline", "fp8_tensorwise", "fp8_rowwise"]
+    assert all(r["tokens_per_s"] > 0 and "error" not in r for r in report["step"])
+    conv = report["convergence"]
+    assert conv["preset"] == "tiny" and conv["settings"]["precision"] == "32-true"
+    assert [r["recipe"] for r in conv["runs"]] == ["baseline", "fp8_rowwise", "nvfp4"]
+    for s in conv["summary"]:  # the same init and data as the baseline, a finite comparison over all steps
+        assert s["same_init"] and s["same_data"] and s["compared_steps"] == 3 and abs(s["rel_diff"]) < 0.5
+        assert s["emulate"] is True
+    assert Path(conv["curves"]).exists() and Path(conv["curves"]).parent == out.parent
+    printed = capsys.readouterr().out
+    assert "##### summary" in printed and "s/step" in printed
+
+
+def test_time_limit_skips_units_with_a_message(bench, tmp_path, capsys):
+    report, _ = _run(bench, tmp_path, "--time-limit", "0.01")
+    assert report["layer"] == [{"shape": "mixtral", "skipped": "time limit"}]
+    assert all(r["skipped"] == "time limit" for r in report["step"])
+    assert all(s["note"] == "skipped (time limit)" for s in report["convergence"]["summary"])
+    assert capsys.readouterr().out.count("SKIPPED") == 1 + 3 + 3
