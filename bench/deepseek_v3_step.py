@@ -329,13 +329,7 @@ def build_hf(cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
         kw.pop(key, None)
     kw["use_cache"] = False
     hcfg = AutoConfig.for_model("deepseek_v3", attn_implementation="sdpa", experts_implementation="grouped_mm", **kw)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = DeepseekV3ForCausalLM(hcfg)
-    finally:
-        torch.set_default_dtype(prev)
+    model = ts.build_on(DeepseekV3ForCausalLM, hcfg, device, dtype)
     keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) + list(
         getattr(model, "_keep_in_fp32_modules", None) or [])
     with torch.no_grad():
@@ -359,7 +353,7 @@ def hf_loop(model: Any, opt: Any, sched: Any, args: argparse.Namespace, device: 
     dm = TextDataModule(seq_len=args.seq_len, batch_size=args.batch_size)
     dm.setup("fit")
     loader = dm.train_dataloader()
-    it = iter(loader)
+    it = ts.cycle(loader)
     losses: list[float] = []
     times: list[float] = []
     for step in range(args.steps):
@@ -367,11 +361,7 @@ def hf_loop(model: Any, opt: Any, sched: Any, args: argparse.Namespace, device: 
             res["stopped_by_time_limit_after_steps"] = step
             log(f"  --time-limit: stopping after {step} steps")
             break
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
+        batch = next(it)
         if step == 0:
             res["first_batch_checksum"] = int(batch["input_ids"].sum())
         ids = batch["input_ids"].to(device, non_blocking=True)

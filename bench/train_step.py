@@ -132,6 +132,23 @@ def flops_per_token(cfg: Any, seq_len: int) -> dict[str, float]:
     }
 
 
+def build_on(cls: Any, config: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """``cls(config)`` created on ``device`` with ``dtype`` as the default dtype (no fp32 copy on the host first)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(config)
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def cycle(loader: Any) -> Any:
+    """The loader's batches epoch after epoch (a plain loop's view of Lightning's repeated epochs)."""
+    while True:
+        yield from loader
+
+
 def loss_checks(losses: list[float]) -> dict[str, Any]:
     """Finite, and the mean of the last 5 (fewer for short runs) below the first."""
     if not losses:
@@ -393,13 +410,7 @@ def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.N
 
         res["transformers"] = transformers.__version__
         hcfg = hf_config(cfg, impl)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = Qwen3MoeForCausalLM(hcfg)
-        finally:
-            torch.set_default_dtype(prev)
+        model = build_on(Qwen3MoeForCausalLM, hcfg, device, dtype)
         model.to(device=device, dtype=dtype)
         model.train()
         res["build_s"] = time.perf_counter() - t_start
@@ -420,17 +431,13 @@ def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.N
         opt, sched = hf_optimizer(model, lr, args.steps, device)
 
         # the same batches in the same order as the Lightning run (its sampler is seeded, epoch 0)
-        dm = TextDataModule(**{"seq_len": seq_len, "batch_size": batch_size, **(data_kwargs or {})})
+        dm = TextDataModule(seq_len=seq_len, batch_size=batch_size)
         dm.setup("fit")
         loader = dm.train_dataloader()
-        it = iter(loader)
+        it = cycle(loader)
         coef = hcfg.router_aux_loss_coef
         for step in range(args.steps):
-            try:
-                batch = next(it)
-            except StopIteration:
-                it = iter(loader)
-                batch = next(it)
+            batch = next(it)
             if step == 0:
                 res["first_batch_checksum"] = int(batch["input_ids"].sum())
             input_ids = batch["input_ids"].to(device, non_blocking=True)
