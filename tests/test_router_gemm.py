@@ -44,8 +44,7 @@ def test_split_linear_matches_fp32_forward_and_grads():
     assert (out - ref).abs().max() / scale < 1e-5
     assert ((ws.grad - wr.grad).abs().max() / wr.grad.abs().max()) < 1e-5
     # the input gradient is rounded to bf16 at the end, like the reference's fp32 -> bf16 cast
-    assert torch.equal(xs.grad, xr.grad.to(torch.bfloat16)) or (
-        (xs.grad.float() - xr.grad).abs().max() / xr.grad.abs().max() < 2.0**-7)
+    assert (xs.grad.float() - xr.grad).abs().max() / xr.grad.abs().max() < 2.0**-7
     # a bf16 weight alone would be far worse: the test can tell the terms apart
     bad = F.linear(x.float(), w.bfloat16().float())
     assert (bad - ref).abs().max() / scale > 10 * (out - ref).abs().max() / scale

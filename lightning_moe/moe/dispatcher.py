@@ -240,11 +240,10 @@ class _RowProbs(torch.autograd.Function):
         return torch.where(pos_TK >= 0, picked, picked.new_zeros(())), None, None
 
 
-def _row_probs(ctx: DispatchContext, probs_TK: Optional[Tensor] = None) -> Tensor:
-    """[R] fp32 combine weights of the rows ``ctx`` describes (of the probs ``ctx`` holds unless given), and mark
-    the combine unweighted."""
+def _row_probs(ctx: DispatchContext) -> Tensor:
+    """[R] fp32 combine weights of the rows ``ctx`` describes, and mark the combine unweighted."""
     ctx.probs_applied = True
-    return _RowProbs.apply((ctx.probs_TK if probs_TK is None else probs_TK).float(), ctx.asg_R, ctx.pos_TK)
+    return _RowProbs.apply(ctx.probs_TK.float(), ctx.asg_R, ctx.pos_TK)
 
 
 class _Reindex(torch.autograd.Function):
