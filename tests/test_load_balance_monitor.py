@@ -16,7 +16,6 @@ import glob
 import json
 import math
 import os
-import re
 from contextlib import contextmanager
 from typing import Any
 
@@ -298,22 +297,29 @@ def test_wandb_offline_gets_heatmap_and_histograms_and_csv_gets_scalars(tmp_path
     wb = WandbLogger(offline=True, save_dir=str(tmp_path), project="lightning_moe_test")
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     monitor = LoadBalanceMonitor(log_every_n_steps=1)
+    # what reaches the W&B run: spy on its public `log` (the .wandb record file is a binary, block-framed format whose
+    # byte layout is not an API; reading it with a regex failed one CI run in several)
+    logged: list[dict] = []
+    run = wb.experiment
+    run_log = run.log
+    monkeypatch.setattr(run, "log", lambda data, *a, **k: (logged.append(dict(data)), run_log(data, *a, **k))[1])
     try:
         _fit_one_process(tmp_path, [monitor], [wb, csv_logger], max_steps=2, accumulate=1, samples=4)
-        run_dir = wb.experiment.dir
+        run_dir = run.dir
     finally:
         wandb.finish()
-    run_root = os.path.dirname(run_dir)
-    assert "offline-run" in run_root
+    assert "offline-run" in os.path.dirname(run_dir)
     images = glob.glob(os.path.join(run_dir, "media", "images", "moe", "load_heatmap_*.png"))
-    assert len(images) == 2, os.listdir(run_dir)
-    # offline runs keep their history in the run's .wandb record file (no summary file): look for the logged keys
-    records = open(glob.glob(os.path.join(run_root, "run-*.wandb"))[0], "rb").read()
-    for layer in (1, 2):
-        key = f"moe/layer{layer}/load".encode()
-        found = re.findall(re.escape(key) + rb".{1,8}_type.{1,8}\"histogram\"", records, flags=re.DOTALL)
-        assert found, f"no {key} histogram in the run"  # (history and summary records both hold it)
-    assert b'"image-file"' in records and b"moe/layer2/max_load_ratio" in records and b"moe/worst_layer" in records
+    assert len(images) == 2, os.listdir(run_dir)  # W&B wrote one heatmap per log step
+    moe_logs = [d for d in logged if "moe/worst_layer" in d]
+    assert len(moe_logs) == 2, [sorted(d) for d in logged]
+    for d in moe_logs:
+        assert isinstance(d["moe/load_heatmap"], wandb.Image)
+        assert "moe/layer2/max_load_ratio" in d
+        for layer in (1, 2):
+            hist = d[f"moe/layer{layer}/load"]
+            assert isinstance(hist, wandb.Histogram)
+            assert len(hist.histogram) == small_config().moe.num_experts and sum(hist.histogram) == pytest.approx(1.0, abs=1e-5)
 
     with open(os.path.join(csv_logger.log_dir, "metrics.csv")) as f:
         rows = [r for r in csv.DictReader(f) if r.get("moe/layer1/max_load_ratio")]
