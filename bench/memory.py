@@ -29,20 +29,49 @@ import torch  # noqa: E402
 import train_step as ts  # noqa: E402
 
 GIB = 1024**3
-# (label, activation_checkpointing, ActivationOffload modules or None)
+# The default settings, by label. A label reads "<recompute> [+offload[<modules>]] [[grads freed]]": <recompute> is
+# "none", "full", "full@N" (full recomputation of the first N blocks only) or kinds joined by "+", which may start
+# with "full" or "full@N" ("full@4+norm+moe_act"); "offload[...]" alone means no recomputation. --only takes any
+# label of that form, not only these.
 SETTINGS = [
-    ("none", "none", None),
-    ("none [grads freed]", "none", None),
-    ("full", "full", None),
-    ("moe_act", ["moe_act"], None),
-    ("experts", ["experts"], None),
-    ("norm+moe_act+attn_core", ["norm", "moe_act", "attn_core"], None),
-    ("norm+experts+attn_core", ["norm", "experts", "attn_core"], None),
-    ("offload[experts]", "none", ["experts"]),
-    ("offload[moe]", "none", ["moe"]),
-    ("norm+moe_act+attn_core +offload[experts]", ["norm", "moe_act", "attn_core"], ["experts"]),
-    ("norm+moe_act+attn_core +offload[moe,attention]", ["norm", "moe_act", "attn_core"], ["moe", "attention"]),
+    "none",
+    "none [grads freed]",
+    "full",
+    "full@4",
+    "moe_act",
+    "experts",
+    "norm+moe_act+attn_core",
+    "norm+experts+attn_core",
+    "offload[experts]",
+    "offload[moe]",
+    "norm+moe_act+attn_core +offload[experts]",
+    "norm+moe_act+attn_core +offload[moe,attention]",
+    "full@2+norm+moe_act+attn_core +offload[experts]",
 ]
+
+
+def parse_setting(label: str) -> tuple[Any, Optional[int], Optional[list[str]]]:
+    """label -> (activation_checkpointing, recompute_num_layers, ActivationOffload modules or None)."""
+    text = label.replace("[grads freed]", "").strip()
+    offload = None
+    if "offload[" in text:
+        head, _, rest = text.partition("offload[")
+        mods, _, tail = rest.partition("]")
+        if tail.strip():
+            raise ValueError(f"setting {label!r}: nothing may follow offload[...]")
+        offload = [m.strip() for m in mods.split(",") if m.strip()]
+        text = head.strip().rstrip("+").strip()
+    if text in ("", "none"):
+        return "none", None, offload
+    kinds, layers = [], None
+    for item in text.split("+"):
+        item = item.strip()
+        if item.startswith("full@"):
+            kinds.append("full")
+            layers = int(item.removeprefix("full@"))
+        else:
+            kinds.append(item)
+    return (kinds[0] if kinds == ["full"] else kinds), layers, offload
 
 
 def state_bytes(cfg: Any, precision: str) -> int:
@@ -52,20 +81,34 @@ def state_bytes(cfg: Any, precision: str) -> int:
     return sum(r.weight_bytes + r.grad_bytes + r.optim_bytes for r in memory_plan(cfg, precision))
 
 
-def run_setting(label: str, ac: Any, offload: Optional[list[str]], cfg: Any, batch: int, args: argparse.Namespace,
-                device: torch.device) -> dict[str, Any]:
+def split_labels(text: str) -> list[str]:
+    """Split a comma list of labels at the commas outside brackets ("offload[moe,attention]" is one label)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [x.strip() for x in out + [cur] if x.strip()]
+
+
+def run_setting(label: str, cfg: Any, batch: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from lightning_moe import MoEParallelStrategy
     from lightning_moe.callbacks import ActivationOffload
+
+    ac, num_layers, offload = parse_setting(label)
 
     callbacks = (ActivationOffload(offload),) if offload else ()
     # Gradients stay allocated through the forward (free_grads_after_step=False) so that peak minus parameters,
     # gradients and optimizer state is the activation memory; the "[grads freed]" setting shows the strategy's
     # default, which frees them after each optimizer step and so lowers the peak by up to their size.
-    strategy = MoEParallelStrategy(activation_checkpointing=ac, compile=args.compile,
+    strategy = MoEParallelStrategy(activation_checkpointing=ac, recompute_num_layers=num_layers, compile=args.compile,
                                    free_grads_after_step=label.endswith("[grads freed]"))
     r = ts.run_ours(label, cfg, args.seq_len, batch, args, args.lr, device, None, timed=True, strategy=strategy,
                     extra_callbacks=callbacks)
-    r.update(setting=label, activation_checkpointing=ac, offload=offload)
+    r.update(setting=label, activation_checkpointing=ac, recompute_num_layers=num_layers, offload=offload)
     return r
 
 
@@ -114,7 +157,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--small", action="store_true", help="train_step.py's small model (CPU smoke test)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--only", default=None, help="comma list of setting labels to run (default: all)")
+    p.add_argument("--only", default=None, help="comma list of setting labels to run (default: all; see SETTINGS "
+                   "for the label grammar, e.g. 'full@4,norm+moe_act+attn_core +offload[experts,attention]')")
     p.add_argument("--compile", action="store_true", help="every setting with MoEParallelStrategy(compile=True)")
     p.add_argument("--out", default="bench_memory.json")
     args = p.parse_args(argv)
@@ -129,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     cfg = ts.qwen_config(args)
     state = state_bytes(cfg, args.precision)
-    wanted = None if args.only is None else {s.strip() for s in args.only.split(",")}
+    wanted = None if args.only is None else set(split_labels(args.only))
     report: dict[str, Any] = {"args": vars(args), "env": ts.environment(device), "state_gib": state / GIB,
                               "runs": []}
     runs = report["runs"]
@@ -140,17 +184,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
 
-    for label, ac, offload in SETTINGS:
-        if wanted is None or label in wanted or label == "none":
-            runs.append(run_setting(label, ac, offload, cfg, args.batch_size, args, device))
-            save()
+    labels = SETTINGS if wanted is None else ["none"] + [x for x in SETTINGS if x in wanted and x != "none"] + sorted(
+        wanted - set(SETTINGS))
+    for label in labels:
+        parse_setting(label)  # a malformed label fails here, before any run
+    for label in labels:
+        runs.append(run_setting(label, cfg, args.batch_size, args, device))
+        save()
     b = best(runs)
     if b is None and device.type == "cpu":  # no memory statistics on the CPU: exercise the last path all the same
         b = runs[-1]
     report["best"] = b["setting"] if b else None
     if b is not None:
-        r = run_setting(b["setting"], b["activation_checkpointing"], b["offload"], cfg, 2 * args.batch_size, args,
-                        device)
+        r = run_setting(b["setting"], cfg, 2 * args.batch_size, args, device)
         r["fits_8x4096" if not args.small else "fits_double_batch"] = _ran(r)
         runs.append(r)
     save()

@@ -13,13 +13,13 @@ bytes from them, so the two cannot drift apart. Pure Python: no process group, n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_moe.parallel.dims import ParallelDims
 
 __all__ = ["AC_MODES", "RECOMPUTE_KINDS", "DISPATCHERS", "TP_COLWISE", "TP_ROWWISE", "TP_MODEL", "EXPERT_WEIGHTS",
-           "block_relative", "parse_activation_checkpointing", "format_activation_checkpointing",
+           "block_relative", "check_recompute_num_layers", "parse_activation_checkpointing", "format_activation_checkpointing",
            "split_factors"]
 
 AC_MODES = ("none", "full")
@@ -80,6 +80,22 @@ def parse_activation_checkpointing(value: "str | Sequence[str] | None") -> tuple
             raise ValueError(f"activation_checkpointing: 'none' cannot be combined with other kinds, got {value!r}")
         return ()
     return tuple(k for k in ("full",) + RECOMPUTE_KINDS if k in items)
+
+
+def check_recompute_num_layers(num_layers: Optional[int], kinds: Sequence[str], num_blocks: Optional[int] = None) -> None:
+    """ValueError unless ``num_layers`` is None, or a positive int with ``"full"`` among ``kinds`` and (when
+    ``num_blocks`` is known) at most the model's number of transformer blocks."""
+    if num_layers is None:
+        return
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise ValueError(f"recompute_num_layers must be a positive integer or None, got {num_layers!r}")
+    if "full" not in kinds:
+        raise ValueError("recompute_num_layers selects how many blocks 'full' recomputes: add 'full' to "
+                         f"activation_checkpointing (got {format_activation_checkpointing(kinds)!r}) or leave "
+                         "recompute_num_layers unset")
+    if num_blocks is not None and num_layers > num_blocks:
+        raise ValueError(f"recompute_num_layers={num_layers} but the model has {num_blocks} transformer blocks; use "
+                         f"at most {num_blocks} (or None for all)")
 
 
 def format_activation_checkpointing(kinds: Sequence[str]) -> str:

@@ -29,7 +29,8 @@ from lightning_moe.models.transformer import Attention, MLAttention, MoETransfor
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.layout import AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE, parse_activation_checkpointing
+from lightning_moe.parallel.layout import (AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE, check_recompute_num_layers,
+                                          parse_activation_checkpointing)
 from lightning_moe.parallel.recompute import apply_recompute
 
 
@@ -193,17 +194,23 @@ def apply_router_groups(model: MoETransformer, dims: ParallelDims) -> None:
         layer.router.num_data_shards = dims.num_data_shards
 
 
-def apply_ac(model: MoETransformer, mode: Union[str, Sequence[str]] = "full") -> None:
+def apply_ac(model: MoETransformer, mode: Union[str, Sequence[str]] = "full",
+             num_layers: Optional[int] = None) -> None:
     """Activation checkpointing: ``"full"`` wraps whole transformer blocks (state-dict keys unchanged: the wrapper
     strips its prefix); a list of kinds recomputes only those collective-free regions
-    (:mod:`lightning_moe.parallel.recompute`); both may be combined. ValueError for unknown kinds."""
+    (:mod:`lightning_moe.parallel.recompute`); both may be combined. ``num_layers``: with ``"full"``, wrap only the
+    first n blocks (Megatron's ``--recompute-method block --recompute-num-layers n``), the dial between no and full
+    recomputation; the selected kinds still apply to every block. ValueError for unknown kinds, or a
+    ``num_layers`` without ``"full"`` or outside 1..number of blocks."""
     kinds = parse_activation_checkpointing(mode)
+    check_recompute_num_layers(num_layers, kinds, len(model.layers))
     apply_recompute(model, [k for k in kinds if k != "full"])
     if "full" not in kinds:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for key, block in list(model.layers.items()):
+    blocks = list(model.layers.items())
+    for key, block in blocks[: len(blocks) if num_layers is None else num_layers]:
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
@@ -272,6 +279,7 @@ def parallelize(
     *,
     dispatcher: str = "alltoall",
     activation_checkpointing: Union[str, Sequence[str]] = "none",
+    recompute_num_layers: Optional[int] = None,
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,
@@ -290,7 +298,7 @@ def parallelize(
         apply_cp(model, dims.cp_mesh)
     apply_ep(model, dims, dispatcher)
     apply_router_groups(model, dims)
-    apply_ac(model, activation_checkpointing)
+    apply_ac(model, activation_checkpointing, recompute_num_layers)
     apply_compile(model, compile)
     # data-parallel replicas of a parameter need FSDP (sharding and/or HSDP replication) to sum its gradient
     dense = dims.fsdp_mesh() if dims.dp_replicate * dims.dp_shard * dims.cp > 1 else None

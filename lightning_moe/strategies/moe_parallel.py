@@ -43,7 +43,7 @@ from lightning_moe.checkpointing import check_shapes, is_by_name, regroup
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.finalize import StepResult, finalize_module_step, finalizing_closure
 from lightning_moe.parallel.compile import resolve_compile
-from lightning_moe.parallel.layout import parse_activation_checkpointing
+from lightning_moe.parallel.layout import check_recompute_num_layers, parse_activation_checkpointing
 from lightning_moe.parallel.parallelize import DISPATCHERS, parallelize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,6 +80,9 @@ class MoEParallelStrategy(ParallelStrategy):
             (``[norm, moe_act]``; a comma-separated string works too): ``norm``, ``attn_core``, ``moe_act``,
             ``experts``, ``shared_experts``, ``mla_up_proj``, optionally with ``full``. Communication is never
             recomputed (see :mod:`lightning_moe.parallel.recompute`).
+        recompute_num_layers: with ``"full"``, recompute only the first n transformer blocks (Megatron's
+            ``--recompute-method block --recompute-num-layers n``): memory and step time between none and full.
+            None (default) = every block.
         compile: regional ``torch.compile`` (:mod:`lightning_moe.parallel.compile`): True for every region, or a
             list of ``"norm"``, ``"attention"``, ``"router"``, ``"mlp"``; the routed experts and the dispatch stay
             eager. Off by default (compilation takes a minute at the start of a run).
@@ -110,6 +113,7 @@ class MoEParallelStrategy(ParallelStrategy):
         param_dtype: Optional[str] = None,
         reduce_dtype: Optional[str] = None,
         activation_checkpointing: Union[str, list[str]] = "none",
+        recompute_num_layers: Optional[int] = None,
         compile: Union[bool, str, list[str]] = False,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
@@ -123,6 +127,7 @@ class MoEParallelStrategy(ParallelStrategy):
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
         ac_kinds = parse_activation_checkpointing(activation_checkpointing)  # ValueError naming the valid kinds
+        check_recompute_num_layers(recompute_num_layers, ac_kinds)  # the block count is checked at parallelize
         self._sizes = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp)
         for name, v in self._sizes.items():
             if name == "dp_shard" and v in ("auto", -1):
@@ -134,6 +139,7 @@ class MoEParallelStrategy(ParallelStrategy):
         self._param_dtype = _dtype(param_dtype, "param_dtype")
         self._reduce_dtype = _dtype(reduce_dtype, "reduce_dtype")
         self._activation_checkpointing = ac_kinds
+        self._recompute_num_layers = recompute_num_layers
         self._compile = resolve_compile(compile)
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._async_save = async_save
@@ -341,6 +347,7 @@ class MoEParallelStrategy(ParallelStrategy):
             self.parallel_dims,
             dispatcher=self._dispatcher,
             activation_checkpointing=self._activation_checkpointing,
+            recompute_num_layers=self._recompute_num_layers,
             param_dtype=self._param_dtype,
             reduce_dtype=self._reduce_dtype,
             reshard_after_forward=self._reshard_after_forward,
