@@ -54,7 +54,7 @@ def test_invalid_layout_fails_at_trainer_construction():
     with pytest.raises(ValueError, match="choose dp_replicate, cp and tp whose product is in"):
         L.Trainer(accelerator="cpu", devices=2, strategy=MoEParallelStrategy(tp=3), logger=False)
     with pytest.raises(ValueError, match="dispatcher must be one of"):
-        MoEParallelStrategy(dispatcher="deepep")
+        MoEParallelStrategy(dispatcher="flex")  # "deepep" exists: tests/test_deepep_dispatcher.py
     with pytest.raises(ValueError, match="ep must be a positive integer"):
         MoEParallelStrategy(ep=0)
 

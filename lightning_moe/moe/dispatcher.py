@@ -2,7 +2,8 @@
 
 Legend: T local tokens, D hidden, k top-k, E global experts, e local experts (E / ep), R rows on this rank's
 experts, A = T*k assignments, P ep size, Q etp size, C = Q*P sources of rows for one rank's experts.
-The MoE layer holds one dispatcher object; parallelize swaps the local one for a distributed one.
+The MoE layer holds one dispatcher object; parallelize swaps the local one for a distributed one. The optional
+DeepEP backend (``DeepEPDispatcher``) lives in :mod:`lightning_moe.moe.deepep`.
 
 Contract (every dispatcher): ``x_RD, counts_e, ctx = dispatch(x_TD, routing, E)`` returns rows grouped by LOCAL
 expert (expert-major; inside an expert, sources in rank order, tokens in their order) and int64 counts per local
@@ -19,7 +20,7 @@ output (the down projection contracts over F).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,8 @@ class DispatchContext:
     asg_R: the assignment (flat index into [num_tokens, k]) of each of those rows; -1 for padding rows.
     has_dropped: some pos_TK are -1.  rows_covered: no asg_R is -1.
     probs_applied: :meth:`TokenDispatcher.row_probs` handed the weights to the experts, so combine sums unweighted.
-    extra: the distributed dispatcher's own state: the all-to-all's split sizes and regroup indices, or the
-        all-gather dispatcher's local token count.
+    extra: the distributed dispatcher's own state: the all-to-all's split sizes and regroup indices, the
+        all-gather dispatcher's local token count, or DeepEP's buffer and handle.
     """
 
     num_tokens: int
@@ -58,7 +59,7 @@ class DispatchContext:
     asg_R: Tensor
     has_dropped: bool = False
     rows_covered: bool = True
-    extra: Union["_AllToAllState", int, None] = None
+    extra: Any = None
     probs_applied: bool = False
 
 
@@ -286,20 +287,33 @@ def _positions(order_A: Tensor, num_rows: int, shape: torch.Size) -> Tensor:
     return rank_A.view(shape)
 
 
+def _group_slots(ids_TK: Tensor, order_A: Tensor, counts_G1: Tensor, start_G: Tensor, limit_G: Tensor,
+                 num_slots: int) -> tuple[Tensor, Tensor]:
+    """Padded grouped layout of ``num_slots`` rows: group g owns slots ``[start_G[g], start_G[g] + limit_G[g])``
+    and its assignments fill them in ``order_A`` order (the assignments sorted by group, stable; ``counts_G1``: per
+    group, the last entry those of id G = dropped). Returns the slot of every assignment (-1: dropped, or past its
+    group's limit) and the assignment of every slot (-1: empty). No host sync."""
+    T, k = ids_TK.shape
+    A = order_A.numel()
+    G = start_G.numel()
+    dev = order_A.device
+    ids_A = ids_TK.reshape(-1).index_select(0, order_A)
+    rank_A = torch.arange(A, device=dev) - _exclusive_cumsum(counts_G1, 0).index_select(0, ids_A)
+    grp_A = ids_A.clamp(max=G - 1)
+    valid_A = (ids_A < G) & (rank_A < limit_G.index_select(0, grp_A))
+    slot_A = torch.where(valid_A, start_G.index_select(0, grp_A) + rank_A, torch.full_like(ids_A, num_slots))
+    asg_R = torch.full((num_slots + 1,), -1, dtype=torch.long, device=dev).scatter_(0, slot_A, order_A)[:num_slots]
+    pos_A = torch.empty_like(slot_A).scatter_(0, order_A, slot_A)
+    pos_TK = torch.where(pos_A == num_slots, torch.full_like(pos_A, -1), pos_A).view(T, k)
+    return pos_TK, asg_R
+
+
 def _capacity_slots(ids_TK: Tensor, order_A: Tensor, counts_E1: Tensor, E: int, cap: int) -> tuple[Tensor, Tensor]:
     """Padded layout [E, cap]: the slot of every assignment (-1: dropped, or past the capacity) and the assignment
     of every slot (-1: empty). No host sync."""
-    T, k = ids_TK.shape
-    A = order_A.numel()
     dev = order_A.device
-    ids_A = ids_TK.reshape(-1).index_select(0, order_A)
-    rank_A = torch.arange(A, device=dev) - _exclusive_cumsum(counts_E1, 0).index_select(0, ids_A)
-    valid_A = (ids_A < E) & (rank_A < cap)
-    slot_A = torch.where(valid_A, ids_A * cap + rank_A, torch.full_like(ids_A, E * cap))
-    asg_R = torch.full((E * cap + 1,), -1, dtype=torch.long, device=dev).scatter_(0, slot_A, order_A)[: E * cap]
-    pos_A = torch.empty_like(slot_A).scatter_(0, order_A, slot_A)
-    pos_TK = torch.where(pos_A == E * cap, torch.full_like(pos_A, -1), pos_A).view(T, k)
-    return pos_TK, asg_R
+    return _group_slots(ids_TK, order_A, counts_E1, torch.arange(E, device=dev) * cap,
+                        torch.full((E,), cap, dtype=torch.long, device=dev), E * cap)
 
 
 def _permute(x_TD: Tensor, probs_TK: Tensor, pos_TK: Tensor, asg_R: Tensor, has_dropped: bool,

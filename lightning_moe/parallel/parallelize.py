@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_moe.models.transformer import Attention, MLAttention, MoETransformer
+from lightning_moe.moe.deepep import DeepEPDispatcher
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.dims import ParallelDims
@@ -163,11 +164,16 @@ def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placements: lis
 
 def apply_ep(model: MoETransformer, dims: ParallelDims, dispatcher: str = "alltoall") -> None:
     """Expert weights become DTensors Shard(0) over ep (and split along F over etp); the MoE layers get a
-    distributed dispatcher over the expert mesh's ep (and etp) groups."""
+    distributed dispatcher over the expert mesh's ep (and etp) groups. ``"deepep"`` (optional, DeepEP's intranode
+    kernels): RuntimeError without the package or CUDA, ValueError for etp > 1 or ``pad_to_capacity`` (its static
+    splits have no meaning there)."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
     if not (dims.ep_enabled or dims.etp_enabled):
         return
+    if dispatcher == "deepep" and model.config.moe.pad_to_capacity:
+        raise ValueError("moe.pad_to_capacity pads the all-to-all to static split sizes; DeepEP sizes its transfers "
+                         "itself: set pad_to_capacity=False with dispatcher='deepep' (capacity dropping still works)")
     if dims.etp_enabled:
         mesh = dims.expert_mesh["ep", "etp"]
         w13, w2 = [Shard(0), Shard(1)], [Shard(0), Shard(2)]
@@ -182,6 +188,8 @@ def apply_ep(model: MoETransformer, dims: ParallelDims, dispatcher: str = "allto
         _shard_param(layer.experts, "w2", mesh, w2)
         if dispatcher == "alltoall":
             layer.dispatcher = AllToAllDispatcher(ep_group, etp_group, pad_to_capacity=layer.config.pad_to_capacity)
+        elif dispatcher == "deepep":
+            layer.dispatcher = DeepEPDispatcher(ep_group, etp_group)
         else:
             layer.dispatcher = AllGatherDispatcher(ep_group, etp_group)
 

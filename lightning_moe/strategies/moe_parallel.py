@@ -73,7 +73,9 @@ class MoEParallelStrategy(ParallelStrategy):
         tp: tensor parallel size (with sequence parallel) for attention, dense MLPs, embeddings and LM head.
         ep: expert parallel size; may borrow ranks from dp_shard, cp and tp (folding).
         etp: expert tensor parallel size (splits the expert hidden size).
-        dispatcher: ``"alltoall"`` or ``"allgather"`` token dispatch over ep.
+        dispatcher: ``"alltoall"`` or ``"allgather"`` token dispatch over ep, or ``"deepep"``: DeepEP's intranode
+            kernels (optional package built from source, docs/deepep.md; CUDA, bf16 activations, ep in (2, 4, 8) on
+            one node, etp=1; each checked with an error naming the fix).
         reshard_after_forward: FSDP2 option.
         param_dtype, reduce_dtype: FSDP2 mixed precision (``"bf16"``, ``"fp32"``; None = the parameter dtype).
         activation_checkpointing: ``"none"``, ``"full"`` (whole blocks) or a list of module kinds to recompute
@@ -126,6 +128,11 @@ class MoEParallelStrategy(ParallelStrategy):
         super().__init__(**strategy_kwargs)
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+        if dispatcher == "deepep":  # missing package or unsupported sizes: an error now, not after launch
+            from lightning_moe.moe.deepep import check_deepep_sizes, import_deep_ep
+
+            import_deep_ep()
+            check_deepep_sizes(ep, etp)
         ac_kinds = parse_activation_checkpointing(activation_checkpointing)  # ValueError naming the valid kinds
         check_recompute_num_layers(recompute_num_layers, ac_kinds)  # the block count is checked at parallelize
         self._sizes = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp)
@@ -217,12 +224,31 @@ class MoEParallelStrategy(ParallelStrategy):
             # the model against the layout, before any process group is created
             dims.validate(module.config, seq_len=None)
             _check_model_layout(module.config, dims)
+        if self._dispatcher == "deepep" and dims.ep_enabled:
+            self._check_deepep(dims)
         self._init_process_group()
         dims.build_meshes(self.root_device.type)
         self._parallel_dims = dims
         if module is not None:
             # LightningModule.device_mesh has no setter; Lightning's own ModelParallelStrategy sets it this way
             module._device_mesh = dims.dense_mesh
+
+    def _check_deepep(self, dims: ParallelDims) -> None:
+        """What DeepEP's intranode kernels need of the run, before any process group exists: CUDA devices, every ep
+        group on one node, bf16 activations (the dispatcher checks the activations' dtype again at the first step)."""
+        from lightning_moe.moe.deepep import check_deepep_dtype, check_deepep_nodes
+
+        if self.root_device.type != "cuda":
+            raise RuntimeError(f"dispatcher='deepep' runs on CUDA GPUs, got {self.root_device.type} devices: use "
+                               "dispatcher='alltoall' there")
+        check_deepep_nodes(dims.rank_groups("ep"), self.num_processes)
+        precision = getattr(self.precision_plugin, "precision", None)
+        # the MoE layers' input: the parameters' dtype under "-true" precisions, else fp32 (autocast leaves the
+        # residual stream in fp32); FSDP2's param_dtype casts both when given
+        act = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}.get(precision,
+                                                                                                   torch.float32)
+        check_deepep_dtype(self._param_dtype or act,
+                           what=f"activations (precision={precision!r}, param_dtype={self._param_dtype})")
 
     def _init_process_group(self) -> None:
         if dist.is_initialized():
