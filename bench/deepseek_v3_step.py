@@ -218,21 +218,23 @@ class Budget:
     """``--time-limit``: a run starts only when the slowest run so far would still fit, and a started run stops
     stepping at the deadline (its timing then covers fewer steps, which the result says)."""
 
-    def __init__(self, limit_s: float) -> None:
+    def __init__(self, limit_s: float, start: Optional[float] = None, reserve_s: float = TIME_RESERVE_S) -> None:
         self.limit_s = limit_s
         self.slowest_s = 0.0
+        self.start = _T_START if start is None else start  # perf_counter() at the start of the call
+        self.reserve_s = reserve_s  # kept after the deadline for the last run's teardown and the report
 
     def elapsed(self) -> float:
-        return time.perf_counter() - _T_START
+        return time.perf_counter() - self.start
 
     def deadline(self) -> Optional[float]:
-        return None if not self.limit_s else _T_START + self.limit_s - TIME_RESERVE_S
+        return None if not self.limit_s else self.start + self.limit_s - self.reserve_s
 
     def refusal(self, what: str) -> Optional[str]:
         """Why ``what`` must not start (None when it may)."""
         if not self.limit_s:
             return None
-        left = self.limit_s - TIME_RESERVE_S - self.elapsed()
+        left = self.limit_s - self.reserve_s - self.elapsed()
         if left > self.slowest_s:
             return None
         return (f"skipped {what}: --time-limit {self.limit_s:.0f}s, {self.elapsed():.0f}s used, the slowest run so "
@@ -302,8 +304,7 @@ def run_ours(cfg: Any, variant: str, args: argparse.Namespace, device: torch.dev
     res = ts.run_ours(LABEL, cfg, args.seq_len, args.batch_size, ns, args.lr, device, peak, timed=False,
                       strategy=MoEParallelStrategy(), extra_callbacks=tuple(callbacks), variant=variant)
     if prof is not None:
-        if prof.prof is not None:  # stopped inside the window: close the profiler anyway
-            prof.prof.__exit__(None, None, None)
+        prof.finish()  # stopped inside the window: close the profiler anyway
         res["profile_top"] = prof.table
     res.update(stats)
     if stats.get("peak_gib_training") is not None:
@@ -692,8 +693,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:  # a user error: the message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    ts.run_cli(main)

@@ -32,20 +32,27 @@ def parse_layout(text: str) -> dict:
     return out
 
 
+def layout_dims(layout: dict, world: int):
+    """The ParallelDims of a parsed layout (``dispatcher`` aside; dp_shard takes what the world leaves unless given);
+    a ValueError naming the fix when the layout cannot fit ``world`` ranks."""
+    from lightning_moe.parallel.dims import ParallelDims
+
+    sizes = {k: v for k, v in layout.items() if k != "dispatcher"}
+    sizes.setdefault("dp_shard", -1)
+    return ParallelDims(world_size=world, **sizes)
+
+
 def run(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
     from lightning_moe import MoELanguageModel, MoEParallelStrategy, ModelConfig
     from lightning_moe.data import TextDataModule
-    from lightning_moe.parallel.dims import ParallelDims
 
     layout = parse_layout(args.layout)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if layout:
-        sizes = {k: v for k, v in layout.items() if k != "dispatcher"}
-        sizes.setdefault("dp_shard", -1)
-        dp = ParallelDims(world_size=world, **sizes).num_data_shards
+        dp = layout_dims(layout, world).num_data_shards
         strategy = MoEParallelStrategy(**layout)
     else:
         dp, strategy = 1, "auto"

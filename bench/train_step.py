@@ -49,7 +49,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
@@ -185,18 +185,43 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def run_cli(main: Callable[[], int]) -> None:
+    """A benchmark's command line: exits with ``main()``'s status; a ValueError (a user error) prints its message and
+    exits 2, not a traceback."""
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _ours_impl(model: Any, variant: str) -> str:
+    """``lightning_moe`` and how its experts ran: one grouped GEMM, a loop, or (unaligned shapes) a loop fallback."""
+    experts = [blk.moe.experts for blk in model.model.layers.values() if blk.is_moe]
+    gm = sorted({bool(getattr(e, "use_grouped_mm", False)) for e in experts})
+    impl = "lightning_moe " + ("grouped_mm" if gm == [True] else "loop" if gm == [False] else "mixed")
+    if variant:
+        impl += f" [{variant}]"
+    if any(getattr(e, "_warned_unaligned", False) for e in experts):
+        impl += " (unaligned->loop)"
+    return impl
+
+
 # ----------------------------------------------------------------------------------------- lightning_moe runs
 def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
              device: torch.device, peak: Optional[dict], timed: bool, strategy: Any = None,
              extra_callbacks: tuple = (), variant: str = "", logger: Any = False,
              module_kwargs: Optional[dict[str, Any]] = None, trainer_kwargs: Optional[dict[str, Any]] = None,
-             data_kwargs: Optional[dict[str, Any]] = None, seed: int = 0) -> dict[str, Any]:
+             data_kwargs: Optional[dict[str, Any]] = None, seed: int = 0,
+             module: Optional[Callable[[], Any]] = None) -> dict[str, Any]:
     """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
     strategy), ``extra_callbacks`` and ``logger`` (default: none) let other benchmarks (memory options, the routing
-    monitor) reuse the run. ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally ``+compile``
-    (regional torch.compile through a one-device MoEParallelStrategy). ``module_kwargs`` / ``trainer_kwargs`` /
-    ``data_kwargs`` override the ``MoELanguageModel`` / ``Trainer`` / ``TextDataModule`` arguments (e.g. the schedule,
-    gradient clipping, ``max_time``); ``seed`` seeds the initialisation (``L.seed_everything``)."""
+    monitor, the multi-GPU scaling) reuse the run. ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally
+    ``+compile`` (regional torch.compile through a one-device MoEParallelStrategy). ``module_kwargs`` /
+    ``trainer_kwargs`` / ``data_kwargs`` override the ``MoELanguageModel`` / ``Trainer`` / ``TextDataModule`` arguments
+    (e.g. the schedule, gradient clipping, ``max_time``); ``seed`` seeds the initialisation (``L.seed_everything``).
+    ``module``: a factory of another LightningModule to train instead of ``MoELanguageModel(cfg)`` (``bench/scale.py``'s
+    transformers peer); the caller then sets its ``impl``."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
@@ -223,9 +248,10 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
             v = trainer.callback_metrics.get("train_loss")
             self.losses.append(float("nan") if v is None else float(v))
 
-    res: dict[str, Any] = {"model": label, "impl": "lightning_moe", "seq_len": seq_len, "batch_size": batch_size,
-                           "steps": args.steps, "lr": lr}
-    log(f"\n=== {label}: lightning_moe, {args.steps} steps, batch {batch_size} x {seq_len} ===")
+    res: dict[str, Any] = {"model": label, "impl": "lightning_moe" if module is None else "other", "seq_len": seq_len,
+                           "batch_size": batch_size, "steps": args.steps, "lr": lr}
+    log(f"\n=== {label}: {'lightning_moe' if module is None else 'peer'}, {args.steps} steps, "
+        f"batch {batch_size} x {seq_len} ===")
     L.seed_everything(seed, verbose=False)
     reset_memory(device)
     t_start = time.perf_counter()
@@ -240,8 +266,11 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
             strategy = MoEParallelStrategy(compile=True)
         elif extra:
             raise ValueError(f"unknown variant suffix {extra!r} (only '+compile')")
-        model = MoELanguageModel(cfg, **{"lr": lr, "warmup_steps": 2, "max_steps": args.steps, "loss_impl": loss_impl,
-                                         **(module_kwargs or {})})
+        if module is not None:
+            model = module()
+        else:
+            model = MoELanguageModel(cfg, **{"lr": lr, "warmup_steps": 2, "max_steps": args.steps,
+                                             "loss_impl": loss_impl, **(module_kwargs or {})})
         trainer = L.Trainer(**{
             "accelerator": "gpu" if device.type == "cuda" else "cpu",
             "devices": 1,
@@ -265,14 +294,8 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
         trainer.fit(model, datamodule=dm)
         if prof is not None:
             res["profile_top"] = prof.table
-        experts = [blk.moe.experts for blk in model.model.layers.values() if blk.is_moe]
-        gm = sorted({bool(getattr(e, "use_grouped_mm", False)) for e in experts})
-        unaligned = any(getattr(e, "_warned_unaligned", False) for e in experts)
-        res["impl"] = "lightning_moe " + ("grouped_mm" if gm == [True] else "loop" if gm == [False] else "mixed")
-        if variant:
-            res["impl"] += f" [{variant}]"
-        if unaligned:
-            res["impl"] += " (unaligned->loop)"
+        if module is None:
+            res["impl"] = _ours_impl(model, variant)
         res["param_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
     except Exception as e:  # report, don't crash: the other runs still go
         res["error"] = _err(e)
@@ -301,15 +324,18 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     return res
 
 
-def step_profiler(start: int, n: int, trace: Path) -> Any:
+def step_profiler(start: int, n: int, trace: Path, on_trace: Optional[Callable[[Path, int], Any]] = None) -> Any:
     """A Lightning callback running torch.profiler over ``n`` optimizer steps from step ``start``: prints the top
-    kernels by self time (kept in ``.table``) and writes a Chrome trace."""
+    kernels by self time (kept in ``.table``) and writes a Chrome trace; ``on_trace(trace, steps)`` then reads it (its
+    result kept in ``.analysis``). ``finish()`` closes a window that training ended inside (fewer steps)."""
     import lightning as L
 
     class StepProfiler(L.Callback):
         def __init__(self) -> None:
             self.prof: Any = None
             self.table = ""
+            self.steps = 0  # optimizer steps inside the window
+            self.analysis: Any = None
 
         def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
             if trainer.global_step == start:
@@ -320,16 +346,26 @@ def step_profiler(start: int, n: int, trace: Path) -> Any:
                 self.prof.__enter__()
 
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
-            if self.prof is not None and trainer.global_step == start + n:
-                self.prof.__exit__(None, None, None)
-                key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            if self.prof is not None:
+                self.steps += 1
+                if trainer.global_step == start + n:
+                    self.finish()
+
+        def finish(self) -> None:
+            if self.prof is None:
+                return
+            self.prof.__exit__(None, None, None)
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            try:
                 self.table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
-                log(f"\nprofile of {n} steps (from step {start}):\n{self.table}")
-                try:
-                    self.prof.export_chrome_trace(str(trace))
-                except Exception as e:  # the table matters more than the trace
-                    log(f"trace export failed: {_err(e)}")
-                self.prof = None
+                log(f"\nprofile of {self.steps} steps (from step {start}):\n{self.table}")
+                self.prof.export_chrome_trace(str(trace))
+                if on_trace is not None:
+                    self.analysis = on_trace(trace, self.steps)
+            except Exception as e:  # reported, never a failed training run
+                log(f"profile table, trace export or analysis failed: {_err(e)}")
+                self.analysis = {"error": _err(e)}
+            self.prof = None
 
     return StepProfiler()
 

@@ -4,7 +4,6 @@ run order, time budget and optimizer byte count."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,32 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from _bench import has_transformers, load_bench
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "deepseek_v3_step.py"
 
 
 def _has_transformers() -> bool:
-    try:
-        from transformers import DeepseekV3ForCausalLM  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return has_transformers("DeepseekV3ForCausalLM")
 
 
 @pytest.fixture(scope="module")
 def ds():
-    """The script as a module (bench/ is no package); its import of train_step sets NCCL policy variables: undone."""
-    saved = dict(os.environ)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("deepseek_v3_step", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-        os.environ.clear()
-        os.environ.update(saved)
-    return mod
+    """The script as a module (its NCCL policy variables undone)."""
+    return load_bench("deepseek_v3_step")
 
 
 def test_smoke_run_of_the_whole_script(tmp_path):
