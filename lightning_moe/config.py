@@ -61,7 +61,9 @@ class MoEConfig:
     bias_update_rate: u in b_i += u * sign(mean(n) - n_i), once per optimizer step.
     aux_loss_type: "none" | "aux" (micro-batch) | "seq" (per sequence) | "global" (counts over dp ranks).
         "aux" is computed per data-parallel rank on its own micro-batch (Megatron's definition), so its value, and
-        the gradient it gives, depend on how the global batch is split over data ranks; "seq" and "global" do not.
+        the gradient it gives, depend on how the global batch is split over data ranks; "global" does not, nor does
+        "seq" (also averaged over data ranks) unless data ranks hold different numbers of sequences with a real
+        token. The z-loss is normalised by the real tokens of the whole global micro-batch: layout-invariant.
     capacity_factor: None = dropless; else capacity = ceil(capacity_factor * T * k / E) per expert, T being the
         tokens ONE rank routes (per rank, as in Megatron): which tokens are dropped depends on the layout (the
         data-parallel split, tp and cp), so a capacity-limited run is not layout-invariant; dropless runs are.

@@ -104,6 +104,8 @@ class EquivalenceModel(MoELanguageModel):
         super().__init__(config, warmup_steps=0, loss_impl=loss_impl)
         self._weights = weights
         self.step_losses: list[float] = []
+        self.step_aux_losses: list[float] = []  # the logged train/aux_loss and train/z_loss of every step
+        self.step_z_losses: list[float] = []
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -120,14 +122,18 @@ class EquivalenceModel(MoELanguageModel):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
         self.step_losses.append(float(self.last_train_loss))
+        assert self.last_step is not None
+        self.step_aux_losses.append(float(self.last_step.aux_loss))
+        self.step_z_losses.append(float(self.last_step.z_loss))
 
 
 def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1, clip: Optional[float] = None,
           moe: Optional[dict[str, Any]] = None, loss_impl: str = "auto", model: Optional[dict[str, Any]] = None,
           padded: bool = False) -> dict[str, Any]:
     """Train STEPS SGD steps on the fixed data under ``layout`` (None = one process, default strategy); return
-    the per-step losses, the full final state dict, and every rank's expert biases. ``model``: ModelConfig
-    overrides; ``padded``: batches carry attention masks after :data:`PAD_PATTERNS`."""
+    the per-step losses (train_loss and the logged aux and z losses), the full final state dict, and every rank's
+    expert biases. ``model``: ModelConfig overrides; ``padded``: batches carry attention masks after
+    :data:`PAD_PATTERNS`."""
     from lightning_moe import MoEParallelStrategy
 
     cfg = small_config(model, **(moe or {}))
@@ -158,7 +164,8 @@ def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1
     full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in full.items()}
     biases = [layer.router.expert_bias.detach().cpu().clone() for layer in module.model.moe_layers()]
-    return {"losses": module.step_losses, "state": full, "biases": biases}
+    return {"losses": module.step_losses, "aux_losses": module.step_aux_losses, "z_losses": module.step_z_losses,
+            "state": full, "biases": biases}
 
 
 def compare(result: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-5) -> list[str]:
@@ -166,9 +173,10 @@ def compare(result: dict[str, Any], ref: dict[str, Any], rtol: float = 1e-5) -> 
     problems = []
     if len(result["losses"]) != len(ref["losses"]):
         problems.append(f"{len(result['losses'])} steps vs {len(ref['losses'])}")
-    for i, (a, b) in enumerate(zip(result["losses"], ref["losses"])):
-        if abs(a - b) > rtol * abs(b):
-            problems.append(f"step {i} train_loss {a:.8f} vs {b:.8f}")
+    for key, name in (("losses", "train_loss"), ("aux_losses", "train/aux_loss"), ("z_losses", "train/z_loss")):
+        for i, (a, b) in enumerate(zip(result[key], ref[key])):
+            if abs(a - b) > rtol * abs(b):
+                problems.append(f"step {i} {name} {a:.8f} vs {b:.8f}")
     for k, v in ref["state"].items():
         if k not in result["state"]:
             problems.append(f"missing {k}")

@@ -1,14 +1,16 @@
 """Every supported layout trains exactly like one process on the same global batch (DESIGN invariants 2-6).
 
-fp32, plain SGD, 3 steps: every step's train_loss and every final parameter within 1e-5 relative to its norm.
+fp32, plain SGD, 3 steps: every step's train_loss, logged train/aux_loss and train/z_loss, and every final parameter
+within 1e-5 relative to its norm.
 The config uses sigmoid routing with the aux-loss-free expert bias, the per-sequence aux loss, z-loss and shared
 experts, so the loss normalisation, the routers' reduction groups and the bias update are all exercised; the
-expert bias must be bitwise identical on every rank. Two cases use the global aux loss (counts over every rank),
+expert bias must be bitwise identical on every rank. Some cases use the global aux loss (counts over every rank),
 which is layout-invariant too. The micro-batch "aux" loss is per data-parallel rank by definition and is not
 compared; under gradient accumulation "global" sees one micro-batch at a time, so that case keeps "seq".
 DeepSeek-V3-shaped cases (MLA, group-limited routing, a shared expert) cover MLA under tensor parallelism; padded
 cases (leading and trailing padding, no accumulation: the per-micro-batch z-loss normaliser is not accumulation-
-invariant once micro-batches hold different numbers of real tokens) cover the masks under tp and cp.
+invariant once micro-batches hold different numbers of real tokens) cover the masks under tp and cp; with data ranks
+holding different numbers of real tokens they cover the z-loss's normaliser over the whole global micro-batch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_distributed
-from parallel_harness import DEEPSEEK_V3_MOE, DEEPSEEK_V3_TINY, compare, train
+from parallel_harness import (DEEPSEEK_V3_MOE, DEEPSEEK_V3_TINY, GLOBAL_BATCH, attention_masks, compare,
+                              train)
 
 DSV3 = dict(model=DEEPSEEK_V3_TINY, moe=DEEPSEEK_V3_MOE)
 DSV3_NO_Q_LORA = dict(model={**DEEPSEEK_V3_TINY, "q_lora_rank": None}, moe=DEEPSEEK_V3_MOE)
@@ -56,10 +59,29 @@ W4_LAYOUTS = {
     "HSDP dp_replicate=2 x dp_shard=2 ep=2": dict(layout=dict(dp_replicate=2, dp_shard=2, ep=2)),
     "tp=2 x dp_shard=2 ep=2 etp=2": dict(layout=dict(tp=2, dp_shard=2, ep=2, etp=2)),
     "padded MLA, tp=2 x cp=2 ep=2": dict(layout=dict(tp=2, cp=2, dp_shard=1, ep=2), padded=True, **DSV3),
-    # the two data ranks hold different numbers of real tokens: the LM loss's global normaliser must count them;
-    # the z-loss is normalised per data rank (Megatron's definition, documented in the README), so it is off here
-    "padded, cp=2 x dp_shard=2 ep=2": dict(layout=dict(cp=2, dp_shard=2, ep=2), padded=True,
-                                           moe=dict(z_loss_coeff=0.0)),
+    # the two data ranks hold different numbers of real tokens: the LM loss's and the z-loss's global normalisers
+    # must count them ("seq" is a mean over sequences, and every rank holds as many sequences)
+    "padded, cp=2 x dp_shard=2 ep=2": dict(layout=dict(cp=2, dp_shard=2, ep=2), padded=True),
+}
+
+# Data-parallel ranks with DIFFERENT numbers of real tokens (PAD_PATTERNS: with 2 data ranks rank 0 reads samples
+# 0, 2, 4, 6 of each step, patterns (0, 0) and (2, 0): 60 real tokens; rank 1 patterns (0, 3) and (1, 2): 52), a
+# large z-loss coefficient, and aux losses that are exact under any split ("none", "global"): the z-loss is
+# normalised by the real tokens of the whole global micro-batch, so gradients, parameters and the logged
+# train/z_loss equal one process on the same global batch (Megatron's mean over data ranks of per-rank means
+# would not).
+ZLOSS = dict(z_loss_coeff=0.1)
+W2_PADDED_DP_LAYOUTS = {
+    "padded z-loss, dp_shard=2, no aux loss": dict(layout=dict(dp_shard=2), padded=True,
+                                                   moe=dict(ZLOSS, aux_loss_type="none")),
+    "padded z-loss, ep=2 folded over dp, global aux loss": dict(layout=dict(ep=2), padded=True,
+                                                                moe=dict(ZLOSS, aux_loss_type="global")),
+}
+W4_PADDED_DP_LAYOUTS = {
+    "padded z-loss, tp=2 x dp_shard=2 ep=2, no aux loss": dict(layout=dict(tp=2, dp_shard=2, ep=2), padded=True,
+                                                               moe=dict(ZLOSS, aux_loss_type="none")),
+    "padded z-loss, cp=2 x dp_shard=2 ep=2, global aux loss": dict(layout=dict(cp=2, dp_shard=2, ep=2), padded=True,
+                                                                   moe=dict(ZLOSS, aux_loss_type="global")),
 }
 
 
@@ -123,6 +145,23 @@ def test_two_rank_layouts_match_one_process():
 @pytest.mark.timeout(900)
 def test_four_rank_layouts_match_one_process():
     _check(run_distributed(_run_layouts, 4, W4_LAYOUTS, timeout=600), W4_LAYOUTS)
+
+
+def test_padding_leaves_data_ranks_with_different_token_counts():
+    """The premise of the padded data-parallel cases: the two data ranks of a step hold different numbers of real
+    tokens (rank r reads samples r, r + 2, ... of the step's global batch)."""
+    masks = attention_masks(GLOBAL_BATCH)
+    assert masks[0::2].sum() != masks[1::2].sum()
+
+
+@pytest.mark.timeout(900)
+def test_two_rank_padded_data_ranks_z_loss_match_one_process():
+    _check(run_distributed(_run_layouts, 2, W2_PADDED_DP_LAYOUTS, timeout=600), W2_PADDED_DP_LAYOUTS)
+
+
+@pytest.mark.timeout(900)
+def test_four_rank_padded_data_ranks_z_loss_match_one_process():
+    _check(run_distributed(_run_layouts, 4, W4_PADDED_DP_LAYOUTS, timeout=600), W4_PADDED_DP_LAYOUTS)
 
 
 def test_clipping_reference_is_active():

@@ -558,3 +558,46 @@ def test_reduction_groups_two_ranks_match_one_process():
 
     out = run_distributed(_two_rank_seam, 2, timeout=120)
     assert set(out) == {"aux", "seq", "global"}
+
+
+def _two_data_ranks_seam(rank, world_size):
+    """Data-parallel split (as parallelize sets it for dp=2): each rank routes whole sequences of its own, with a
+    different number of padding tokens; token_group is None, global_group every rank, num_data_shards 2."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(11)
+    B, S, E, k = 4, 5, 4, 2
+    logits = torch.randn(B * S, E, generator=g)
+    valid = torch.ones(B * S, dtype=torch.bool)
+    valid[[3, 4, 8, 9, 14]] = False  # rank 0 (sequences 0, 1): 6 real tokens; rank 1 (sequences 2, 3): 9
+    rows = torch.arange(rank * B // 2 * S, (rank + 1) * B // 2 * S)
+    out = {}
+    for aux_type in ("none", "global", "aux"):
+        kw = dict(num_experts=E, top_k=k, score_func="softmax", aux_loss_type=aux_type, aux_loss_coeff=0.1,
+                  z_loss_coeff=0.05)
+        full = make(**kw).route(logits, valid, seq_len=S)
+        r = make(**kw)
+        r.token_group, r.global_group, r.num_data_shards = None, dist.group.WORLD, world_size
+        part = r.route(logits[rows], valid[rows], seq_len=S)
+        z, aux = part.z_loss.clone(), part.aux_loss.clone()
+        dist.all_reduce(z)
+        dist.all_reduce(aux)
+        # the z-loss partials sum to one process's z-loss on the whole batch, however the padding is spread
+        torch.testing.assert_close(z, full.z_loss, rtol=1e-6, atol=0)
+        if aux_type == "global":
+            torch.testing.assert_close(aux, full.aux_loss, rtol=1e-6, atol=0)
+        # what the per-rank normaliser (Megatron's mean over data ranks of per-rank means) would give instead
+        alone = make(**kw)
+        own = alone.route(logits[rows], valid[rows], seq_len=S).z_loss / world_size
+        dist.all_reduce(own)
+        out[aux_type] = (z.item(), full.z_loss.item(), own.item())
+    return out
+
+
+def test_z_loss_over_data_ranks_with_unequal_padding_matches_one_process():
+    from _dist import run_distributed
+
+    out = run_distributed(_two_data_ranks_seam, 2, timeout=120)
+    for z, full, per_rank_mean in out.values():
+        assert z == pytest.approx(full, rel=1e-6)
+        assert abs(per_rank_mean - full) > 1e-3 * full  # the test would see the per-rank definition

@@ -180,8 +180,10 @@ def z_loss(
 
         loss = coeff / N * sum_{t valid} (logsumexp_i logits_ti)^2
 
-    ``N`` defaults to the local valid-token count; across ranks that split one micro-batch, pass N summed over
-    them (partials then sum to the loss). fp32; zero when N == 0.
+    ``N`` defaults to the local valid-token count. The loss is linear in the tokens, so across ranks that hold
+    distinct tokens of one global micro-batch (tp, cp and data-parallel ranks alike) pass N summed over all of
+    them: the partials then sum to the loss of the concatenated tokens, however the valid tokens are spread over
+    the ranks (the router does this over its ``global_group``). fp32; zero when N == 0.
     """
     if coeff == 0:
         return logits_TE.new_zeros((), dtype=torch.float32)

@@ -139,10 +139,13 @@ class TopKRouter(nn.Module):
     Reduction seam (set from outside by parallelize; None on one process, see DESIGN invariant 1):
 
     - ``token_group``: the ranks over which ONE micro-batch's tokens are split (tp x cp). The "aux" and
-      "seq" counts and every token normaliser (N, also the z-loss's) are summed over it, so the partial
-      losses of those ranks add up to the loss of the whole micro-batch.
+      "seq" counts and their token normalisers are summed over it, so the partial losses of those ranks add up
+      to the loss of the data shard's micro-batch; each data shard's loss is then divided by
+      ``num_data_shards`` (a mean over data shards, Megatron's definition).
     - ``global_group``: every rank routing distinct tokens (dp x cp x tp). The "global" aux counts and
-      normaliser, and the expert-bias counts in :meth:`update_expert_bias`, are summed over it.
+      normaliser, the z-loss's token normaliser, and the expert-bias counts in :meth:`update_expert_bias`, are
+      summed over it: the partial "global" aux and z losses of all ranks add up to the loss of the whole
+      global micro-batch, exactly one process's on the same tokens.
 
     Expert bias (``config.expert_bias``): ``expert_bias`` [E] fp32 persistent buffer, added to the scores
     for the choice only. ``bias_counts`` [E] int64 non-persistent buffer accumulates, during training
@@ -172,8 +175,8 @@ class TopKRouter(nn.Module):
             self.register_buffer("bias_counts", None, persistent=False)
         self.token_group: ReductionGroup = None
         self.global_group: ReductionGroup = None
-        # data shards whose per-micro-batch "aux"/"seq"/z losses are averaged (each rank's partial is divided by
-        # it, so the sum over ranks is layout-invariant); "global" is already normalised globally
+        # data shards whose per-micro-batch "aux"/"seq" losses are averaged (each rank's partial is divided by it);
+        # "global" and the z-loss are normalised by the global micro-batch's valid tokens instead
         self.num_data_shards = 1
         self.reset_parameters()
 
@@ -324,7 +327,7 @@ class TopKRouter(nn.Module):
         zero = logits_TE.new_zeros((), dtype=torch.float32)
         aux, z = zero, zero
         s_TE: Optional[Tensor] = None
-        num_tokens: Optional[Tensor] = None  # valid tokens of this micro-batch over token_group
+        global_num_tokens: Optional[Tensor] = None  # valid tokens of the global micro-batch (over global_group)
         if cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0:
             s_TE = scores_TE if cfg.score_func == "softmax" else aux_loss_scores(logits_TE, cfg.score_func)
             with torch.no_grad():
@@ -334,26 +337,31 @@ class TopKRouter(nn.Module):
                 v_BS = None if valid_T is None else valid_T.reshape(B, seq_len)
                 counts_BE = _sum_over(expert_counts(ids_TK.reshape(B, seq_len, k), E, v_BS), self.token_group)
                 n_B = counts_BE.sum(-1) // k
-                num_tokens = n_B.sum()
                 aux = sequence_aux_loss(s_TE, counts_BE, n_B, k, cfg.aux_loss_coeff, seq_len, valid_T)
             else:
                 group = self.token_group if cfg.aux_loss_type == "aux" else self.global_group
                 counts_E = _sum_over(expert_counts(ids_TK, E, valid_T), group)
                 n = counts_E.sum() // k
                 if cfg.aux_loss_type == "aux":
-                    num_tokens = n
                     aux = switch_aux_loss(s_TE, counts_E, n, k, cfg.aux_loss_coeff, valid_T)
                 else:
+                    global_num_tokens = n  # every valid token of the global micro-batch, k assignments each
                     aux = global_aux_loss(s_TE, counts_E, n, k, cfg.aux_loss_coeff, valid_T)
-        if cfg.z_loss_coeff > 0:
-            if num_tokens is None:
-                n_local = torch.tensor(T, device=logits_TE.device) if valid_T is None else valid_T.sum()
-                num_tokens = _sum_over(n_local.long(), self.token_group)
-            z = z_loss(logits_TE, cfg.z_loss_coeff, valid_T, num_tokens)
-        if self.num_data_shards > 1:
-            z = z / self.num_data_shards
-            if cfg.aux_loss_type in ("aux", "seq"):
+            if cfg.aux_loss_type in ("aux", "seq") and self.num_data_shards > 1:
+                # per data shard (Megatron's definition; nonlinear in the counts): the mean over data shards
                 aux = aux / self.num_data_shards
+        if cfg.z_loss_coeff > 0:
+            # The z-loss is linear in the tokens: every rank divides its own token sum by the valid tokens of the
+            # whole global micro-batch (summed over global_group = dp x cp x tp), so the partials, added by the
+            # data-parallel and tp gradient reductions (and by the routing all-reduce for the logged value), are
+            # exactly one process's z-loss on that micro-batch, however padding splits the real tokens over the
+            # data ranks. The count: free from the "global" aux counts when they exist, else one scalar all-reduce
+            # per layer over global_group, as the "global" aux loss does (nothing the module holds before this
+            # forward gives it: its LM count is of labels, not of routed tokens, and is reduced after the forward).
+            if global_num_tokens is None:
+                n_local = torch.tensor(T, device=logits_TE.device) if valid_T is None else valid_T.sum()
+                global_num_tokens = _sum_over(n_local.long(), self.global_group)
+            z = z_loss(logits_TE, cfg.z_loss_coeff, valid_T, global_num_tokens)
         return aux, z, s_TE
 
     # ---- aux-loss-free balancing ----------------------------------------------------------------------
