@@ -138,13 +138,13 @@ def _check(results: dict, cases: dict) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_two_rank_layouts_match_one_process():
-    _check(run_distributed(_run_layouts, 2, W2_LAYOUTS, timeout=600), W2_LAYOUTS)
-
-
-@pytest.mark.timeout(900)
-def test_four_rank_layouts_match_one_process():
-    _check(run_distributed(_run_layouts, 4, W4_LAYOUTS, timeout=600), W4_LAYOUTS)
+@pytest.mark.parametrize("world, layouts", [(2, W2_LAYOUTS), (4, W4_LAYOUTS), (2, W2_PADDED_DP_LAYOUTS),
+                                            (4, W4_PADDED_DP_LAYOUTS)],
+                         ids=["two_rank", "four_rank", "two_rank_padded_dp_z_loss", "four_rank_padded_dp_z_loss"])
+def test_layouts_match_one_process(world, layouts):
+    """Every layout of ``layouts`` on ``world`` gloo ranks matches one process (the padded-dp cases: data ranks with
+    different real-token counts, z-loss on)."""
+    _check(run_distributed(_run_layouts, world, layouts, timeout=600), layouts)
 
 
 def test_padding_leaves_data_ranks_with_different_token_counts():
@@ -154,14 +154,6 @@ def test_padding_leaves_data_ranks_with_different_token_counts():
     assert masks[0::2].sum() != masks[1::2].sum()
 
 
-@pytest.mark.timeout(900)
-def test_two_rank_padded_data_ranks_z_loss_match_one_process():
-    _check(run_distributed(_run_layouts, 2, W2_PADDED_DP_LAYOUTS, timeout=600), W2_PADDED_DP_LAYOUTS)
-
-
-@pytest.mark.timeout(900)
-def test_four_rank_padded_data_ranks_z_loss_match_one_process():
-    _check(run_distributed(_run_layouts, 4, W4_PADDED_DP_LAYOUTS, timeout=600), W4_PADDED_DP_LAYOUTS)
 
 
 def test_clipping_reference_is_active():
