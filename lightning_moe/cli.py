@@ -550,19 +550,21 @@ def _plan_settings_from_yaml(path: str) -> dict[str, Any]:
     world = devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
     strategy = trainer.get("strategy")
     sizes: dict[str, Any] = {}
-    ac = "none"
+    ac, recompute_num_layers = "none", None
     if isinstance(strategy, dict):
         if not str(strategy.get("class_path", "")).endswith("MoEParallelStrategy"):
             raise ValueError(f"plan knows MoEParallelStrategy layouts; {path} uses {strategy.get('class_path')!r}")
         init = dict(strategy.get("init_args") or {})
         ac = init.pop("activation_checkpointing", "none")
+        recompute_num_layers = init.pop("recompute_num_layers", None)
         sizes = {k: init[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp") if k in init}
     elif strategy not in (None, "auto") + STRATEGY_NAMES and (world or 1) > 1:
         raise ValueError(f"plan knows MoEParallelStrategy layouts; {path} uses strategy {strategy!r}")
     precision = _PRECISION_ALIASES.get(str(trainer.get("precision", "32-true")), str(trainer.get("precision")))
     data = doc.get("data") or {}
     return {"config": cfg, "name": name, "world": world, "sizes": sizes, "precision": precision,
-            "seq_len": data.get("seq_len", 256), "micro_batch": data.get("batch_size", 8), "ac": ac}
+            "seq_len": data.get("seq_len", 256), "micro_batch": data.get("batch_size", 8), "ac": ac,
+            "recompute_num_layers": recompute_num_layers}
 
 
 def plan_main(argv: list[str]) -> int:
@@ -593,11 +595,13 @@ def plan_main(argv: list[str]) -> int:
     g.add_argument("--activation-checkpointing",
                    help="none (default), full (the forward all-to-alls run twice) or a comma-separated list of "
                    f"kinds to recompute among {', '.join(RECOMPUTE_KINDS)} (no all-to-all re-runs)")
+    g.add_argument("--recompute-num-layers", type=int,
+                   help="with full: only the first n blocks are recomputed (MoEParallelStrategy's recompute_num_layers)")
     args = p.parse_args(argv)
     flag_sizes = {k: getattr(args, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
                   if getattr(args, k) is not None}
     layout_flags = bool(flag_sizes) or any(
-        v is not None for v in (args.seq_len, args.micro_batch, args.activation_checkpointing))
+        v is not None for v in (args.seq_len, args.micro_batch, args.activation_checkpointing, args.recompute_num_layers))
     if args.preset is not None:
         try:
             cfg = ModelConfig.from_preset(args.preset)
@@ -612,6 +616,7 @@ def plan_main(argv: list[str]) -> int:
         world, sizes, precision = args.world, flag_sizes, args.precision or "bf16-mixed"
         micro_batch = args.micro_batch if args.micro_batch is not None else 1
         seq_len, ac = args.seq_len, args.activation_checkpointing or "none"
+        recompute_num_layers = args.recompute_num_layers
     else:
         import yaml
 
@@ -631,10 +636,12 @@ def plan_main(argv: list[str]) -> int:
         seq_len = args.seq_len if args.seq_len is not None else y["seq_len"]
         micro_batch = args.micro_batch if args.micro_batch is not None else y["micro_batch"]
         ac = args.activation_checkpointing or y["ac"]
+        recompute_num_layers = (args.recompute_num_layers if args.recompute_num_layers is not None
+                                else y["recompute_num_layers"])
     sizes.setdefault("dp_shard", "auto")
     try:
         dims = ParallelDims(world_size=world, **sizes)
-        plan = layout_plan(cfg, dims, precision, seq_len, micro_batch, ac)
+        plan = layout_plan(cfg, dims, precision, seq_len, micro_batch, ac, recompute_num_layers)
     except ValueError as e:
         p.error(str(e))
     print(format_layout_plan(name, cfg, plan))

@@ -41,6 +41,7 @@ from lightning_moe.models.transformer import MoETransformer
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.layout import (
     block_relative,
+    check_recompute_num_layers,
     format_activation_checkpointing,
     parse_activation_checkpointing,
     split_factors,
@@ -91,6 +92,9 @@ class AllToAllPlan:
     rows_per_rank: rows each rank dispatches per MoE layer (T * k dropless; E * capacity with pad_to_capacity).
     transfers: all-to-alls per MoE layer: dispatch and combine, in forward and backward (4), plus the forward
         again when full activation checkpointing recomputes it (6); selective recomputation never re-runs them.
+        With ``recompute_num_layers`` covering only some MoE layers: 4, and ``recomputed_layers`` says how many
+        layers add 2 more.
+    recomputed_layers: MoE layers whose forward full activation checkpointing re-runs (with its 2 all-to-alls).
     ep_bytes: sum over MoE layers and transfers of rows * D * 2 bytes * (ep - 1) / ep (the part leaving the rank).
     etp_bytes: the all-gather / reduce-scatter over etp of the received rows: rows * D * 2 bytes * (etp - 1).
     """
@@ -102,6 +106,7 @@ class AllToAllPlan:
     ep_bytes: int
     etp_bytes: int
     act_bytes: int = ACT_BYTES
+    recomputed_layers: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -197,6 +202,7 @@ def alltoall_volume(
     micro_batch: int = 1,
     activation_checkpointing: "str | list[str]" = "none",
     act_bytes: int = ACT_BYTES,
+    recompute_num_layers: Optional[int] = None,
 ) -> AllToAllPlan:
     """Bytes one GPU sends through the all-to-all dispatcher for one micro-batch, forward and backward.
 
@@ -205,9 +211,11 @@ def alltoall_volume(
     factor), of which a fraction (ep - 1) / ep leaves the rank under uniform routing. Dispatch and combine, forward
     and backward: 4 transfers per MoE layer (6 with full activation checkpointing, which reruns the forward). With
     etp > 1 the received rows (as many as were sent, balanced) are all-gathered over etp in dispatch and
-    reduce-scattered in combine: (etp - 1) * rows * D * act_bytes per transfer.
+    reduce-scattered in combine: (etp - 1) * rows * D * act_bytes per transfer. ``recompute_num_layers`` (with
+    ``"full"``): only the MoE layers among the first n blocks re-run their forward.
     """
     kinds = parse_activation_checkpointing(activation_checkpointing)
+    check_recompute_num_layers(recompute_num_layers, kinds, config.num_layers)
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch must be a positive int (sequences per data-parallel rank), got {micro_batch!r}")
     tokens = micro_batch * seq_len
@@ -222,11 +230,14 @@ def alltoall_volume(
     if m.num_experts and m.capacity_factor is not None:
         cap_rows = m.num_experts * int(math.ceil(m.capacity_factor * T * m.top_k / m.num_experts))  # as the router
         rows = cap_rows if m.pad_to_capacity else min(rows, cap_rows)
-    transfers = 2 * (3 if "full" in kinds else 2)  # selective kinds hold no collective
+    # selective kinds hold no collective; full recomputation re-runs the forward's dispatch and combine
+    blocks = config.num_layers if recompute_num_layers is None else recompute_num_layers
+    redone = sum(config.is_moe_layer(i) for i in range(blocks)) if "full" in kinds else 0
+    transfers = 6 if L and redone == L else 4
     per_transfer = rows * D * act_bytes
-    ep_bytes = transfers * L * per_transfer * (dims.ep - 1) // dims.ep
-    etp_bytes = transfers * L * per_transfer * (dims.etp - 1)
-    return AllToAllPlan(T, rows, transfers, L, ep_bytes, etp_bytes, act_bytes)
+    total = (4 * L + 2 * redone) * per_transfer
+    return AllToAllPlan(T, rows, transfers, L, total * (dims.ep - 1) // dims.ep, total * (dims.etp - 1), act_bytes,
+                        redone)
 
 
 def layout_plan(
@@ -236,9 +247,11 @@ def layout_plan(
     seq_len: Optional[int] = None,
     micro_batch: int = 1,
     activation_checkpointing: "str | list[str]" = "none",
+    recompute_num_layers: Optional[int] = None,
 ) -> LayoutPlan:
     """Validate ``dims`` against the model and ``seq_len`` (ValueError naming the fix), then the per-GPU bytes of
-    every component and the all-to-all volume. ``seq_len`` None = ``min(4096, config.max_seq_len)``."""
+    every component and the all-to-all volume. ``seq_len`` None = ``min(4096, config.max_seq_len)``;
+    ``recompute_num_layers`` as in :class:`~lightning_moe.MoEParallelStrategy`."""
     _check_precision(precision)
     if seq_len is None:
         seq_len = min(4096, config.max_seq_len)
@@ -249,7 +262,8 @@ def layout_plan(
     return LayoutPlan(
         dims, precision, seq_len, micro_batch, ac,
         rows=layout_rows(config, dims, precision),
-        a2a=alltoall_volume(config, dims, seq_len, micro_batch, activation_checkpointing),
+        a2a=alltoall_volume(config, dims, seq_len, micro_batch, activation_checkpointing,
+                            recompute_num_layers=recompute_num_layers),
     )
 
 
@@ -347,8 +361,13 @@ def format_layout_plan(name: str, config: ModelConfig, plan: LayoutPlan) -> str:
     if a.num_moe_layers == 0 or (d.ep == 1 and d.etp == 1):
         lines.append("all-to-all: none (ep=1 and etp=1: every rank computes all experts locally)")
     else:
-        passes = "forward, recomputed forward (activation_checkpointing=full), backward" if "full" in ac.split(",") else (
-            "forward, backward" + ("" if ac == "none" else f"; recomputing {ac} re-runs no all-to-all"))
+        if a.transfers == 6:
+            passes = "forward, recomputed forward (activation_checkpointing=full), backward"
+        elif "full" in ac.split(","):
+            passes = (f"forward, backward; + 2 in each of the {a.recomputed_layers} MoE layers whose forward full "
+                      "recomputation re-runs (recompute_num_layers)")
+        else:
+            passes = "forward, backward" + ("" if ac == "none" else f"; recomputing {ac} re-runs no all-to-all")
         lines.append(
             f"all-to-all per GPU per micro-batch (alltoall dispatcher): {_fmt_bytes(a.total_bytes)} sent "
             f"= {_fmt_bytes(a.ep_bytes)} over ep" + (f" + {_fmt_bytes(a.etp_bytes)} over etp" if d.etp > 1 else "")

@@ -199,6 +199,14 @@ def test_alltoall_volume_by_hand():
     assert a.etp_bytes == 0 and a.total_bytes == 18432
     # full activation checkpointing reruns the forward dispatch and combine
     assert alltoall_volume(cfg, dims, 32, 3, "full").ep_bytes == 6 * 2 * per_transfer * 3 // 4
+    # ... only in the MoE layers among the first n blocks with recompute_num_layers (block 0 is dense here)
+    part = alltoall_volume(cfg, dims, 32, 3, "full", recompute_num_layers=2)
+    assert (part.transfers, part.recomputed_layers) == (4, 1)
+    assert part.ep_bytes == (4 * 2 + 2) * per_transfer * 3 // 4
+    assert alltoall_volume(cfg, dims, 32, 3, "full", recompute_num_layers=1).ep_bytes == a.ep_bytes
+    assert alltoall_volume(cfg, dims, 32, 3, "full", recompute_num_layers=3).transfers == 6
+    with pytest.raises(ValueError, match="add 'full'"):
+        alltoall_volume(cfg, dims, 32, 3, "norm", recompute_num_layers=2)
     # etp=2 (world 8: tp=2, dp_shard=4; ep=2 x etp=2 x edp_shard=2): the received rows are all-gathered /
     # reduce-scattered over etp, (etp - 1) x rows per transfer
     e = alltoall_volume(cfg, ParallelDims(world_size=8, tp=2, ep=2, etp=2), 32, 3)
@@ -224,6 +232,12 @@ def test_plan_cli_layout_output(capsys):
     # 2048 tokens/rank x 8 rows x 2048 x 2 B x 7/8, 4 transfers, 48 layers = 10.5 GiB
     a2a = next(l for l in out.splitlines() if l.startswith("all-to-all"))
     assert "10.5 GiB" in a2a
+    # full recomputation of the first 12 of 48 blocks: 12 layers re-run 2 of their 4 transfers, 10.5 x 1.125 GiB
+    code = _run(["plan", "--preset", "qwen3_moe_30b_a3b", "--world", "8", "--tp", "2", "--ep", "8",
+                 "--precision", "bf16-true", "--activation-checkpointing", "full", "--recompute-num-layers", "12"])
+    out = capsys.readouterr().out
+    assert code == 0 and "+ 2 in each of the 12 MoE layers" in out
+    assert "11.8 GiB" in next(l for l in out.splitlines() if l.startswith("all-to-all"))
 
 
 def test_plan_without_layout_prints_totals(capsys):
