@@ -20,7 +20,7 @@ output (the down projection contracts over F).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -65,9 +65,14 @@ class DispatchContext:
 
 class TokenDispatcher:
     """Interface: ``dispatch`` returns rows grouped by local expert with per-local-expert counts (int64, [e]);
-    ``combine`` returns ``y_TD[t] = sum_k probs[t, k] * y(t, k)``."""
+    ``combine`` returns ``y_TD[t] = sum_k probs[t, k] * y(t, k)``.
+
+    ``overlaps``: ``dispatch`` also takes ``overlap``, a callable it runs exactly once after it has issued the
+    rows' collective and before it reads the result, so that work independent of the routed rows (the shared
+    experts) is queued while the tokens travel (functional collectives wait on first use)."""
 
     num_local_experts: Optional[int] = None
+    overlaps: bool = False
 
     def dispatch(
         self, x_TD: Tensor, routing: RoutingResult, num_experts: int
@@ -517,8 +522,10 @@ class AllToAllDispatcher(_GroupedDispatcher):
         recv = [[flat[(q * P + p) * e:(q * P + p + 1) * e] for p in range(P)] for q in range(Q)]
         return send, recv, recv_QPe.view(Q, P, e)
 
+    overlaps = True
+
     def dispatch(
-        self, x_TD: Tensor, routing: RoutingResult, num_experts: int
+        self, x_TD: Tensor, routing: RoutingResult, num_experts: int, overlap: Optional[Callable[[], Any]] = None
     ) -> tuple[Tensor, Tensor, DispatchContext]:
         E = num_experts
         e = self._local_experts(E)
@@ -553,12 +560,15 @@ class AllToAllDispatcher(_GroupedDispatcher):
         inverse_B = torch.zeros(Q * rmax, dtype=torch.long, device=regroup_R.device)
         inverse_B.scatter_(0, regroup_R, torch.arange(total, device=regroup_R.device))
         ctx.extra = _AllToAllState(send, recv_splits, regroup_R, inverse_B, own, rmax)
-        return self._to_experts(x_sent, ctx.extra), recv_QPe.sum((0, 1)), ctx
+        return self._to_experts(x_sent, ctx.extra, overlap), recv_QPe.sum((0, 1)), ctx
 
-    def _to_experts(self, t_sent: Tensor, st: _AllToAllState) -> Tensor:
+    def _to_experts(self, t_sent: Tensor, st: _AllToAllState, overlap: Optional[Callable[[], Any]] = None) -> Tensor:
         """Rows in send order -> this rank's expert-major rows: all_to_all over ep, all-gather over etp (each peer
-        padded to Rmax), the regroup gather. Differentiable."""
+        padded to Rmax), the regroup gather. Differentiable. ``overlap`` runs between the all-to-all's issue and
+        the first read of its result (the etp all-gather reads it)."""
         t_recv = self._a2a(t_sent, st.recv_splits, st.send_splits)  # [source][local expert]
+        if overlap is not None:
+            overlap()
         if self.etp_size > 1:
             t_recv = all_gather_autograd(_pad_rows(t_recv, st.max_rows), 0, self.etp_group)  # [etp peer][rmax]
         return _Reindex.apply(t_recv, st.regroup_R, st.inverse_B)
@@ -602,8 +612,10 @@ class AllGatherDispatcher(_GroupedDispatcher):
             t = all_gather_autograd(t.contiguous(), 0, self.etp_group)
         return t
 
+    overlaps = True
+
     def dispatch(
-        self, x_TD: Tensor, routing: RoutingResult, num_experts: int
+        self, x_TD: Tensor, routing: RoutingResult, num_experts: int, overlap: Optional[Callable[[], Any]] = None
     ) -> tuple[Tensor, Tensor, DispatchContext]:
         E = num_experts
         e = self._local_experts(E)
@@ -632,8 +644,10 @@ class AllGatherDispatcher(_GroupedDispatcher):
                 [meta_TM.new_zeros(t_max - T, k), meta_TM.new_full((t_max - T, k), float(E))], dim=1
             )
             meta_TM = torch.cat([meta_TM, pad_meta], dim=0)
-        x_g = self._gather(_pad_rows(x_TD, t_max))
         meta_g = self._gather(meta_TM)
+        x_g = self._gather(_pad_rows(x_TD, t_max))
+        if overlap is not None:  # the rows' gather is issued (over etp it waited for the ep gather: still in flight)
+            overlap()
         probs_g = meta_g[:, :k]
         local_g = meta_g[:, k:].detach().long() - lo
         local_g = torch.where((local_g >= 0) & (local_g < e), local_g, torch.full_like(local_g, e))

@@ -88,9 +88,14 @@ class MoELayer(nn.Module):
 
     ``regather_rows`` (default True): on one process with the fused CUDA kernels, the experts gather their rows
     from the tokens (again in the backward) rather than keeping them; False keeps the dispatcher's copy (benchmarks).
+    ``overlap_shared_experts`` (default True): with a distributed dispatcher that ``overlaps`` (all-to-all,
+    all-gather), the shared experts' forward is queued while the routed tokens travel, between the collective's
+    issue and its first use, instead of after the combine (Megatron's ``--moe-shared-expert-overlap``, without a
+    side stream). The same operations on the same inputs: the output and gradients are unchanged.
     """
 
     regather_rows = True
+    overlap_shared_experts = True
 
     def __init__(
         self,
@@ -150,6 +155,7 @@ class MoELayer(nn.Module):
 
         routing: RoutingResult = self.router(x_TD, valid_T, seq_len=S)
         self._record(routing, valid_T, B * S, x_TD.device)
+        shared_TD: list[Tensor] = []  # the shared experts' output when the dispatch overlapped them
 
         # One process with the fused kernels: the experts gather their rows from x_TD themselves and again in the
         # backward, keeping no [R, D] copy (k times x_TD) for their weight gradients. Else the dispatcher moves them.
@@ -158,7 +164,12 @@ class MoELayer(nn.Module):
             counts_e, ctx = self.dispatcher.plan(routing, self.num_experts)
             x_RD, rows_from = None, {"rows_from": (x_TD, ctx.asg_R, ctx.pos_TK)}
         else:
-            x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, routing, self.num_experts)
+            overlap = {}
+            if (self.shared_experts is not None and self.overlap_shared_experts
+                    and getattr(self.dispatcher, "overlaps", False)):
+                overlap["overlap"] = lambda: shared_TD.append(self.shared_experts(x_TD))
+            x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, routing, self.num_experts, **overlap)
+            assert len(shared_TD) == len(overlap), "a dispatcher that overlaps must run `overlap` exactly once"
             rows_from = {}
         # The combine weights go into the experts (scaling their activation before the down projection, as
         # Megatron-Core does) when both sides can: the combine is then a plain sum whose backward keeps nothing of
@@ -172,7 +183,7 @@ class MoELayer(nn.Module):
         # combine in the input dtype (the k-sum accumulates in fp32 with the fused kernels)
         y_TD = self.dispatcher.combine(y_RD.to(x_TD.dtype), ctx)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            y_TD = y_TD + (shared_TD[0] if shared_TD else self.shared_experts(x_TD))
         return y_TD.to(x_BSD.dtype).reshape(B, S, D)
 
     @torch.no_grad()
