@@ -237,6 +237,9 @@ def parse_args(argv: Optional[list[str]] = None, world: Optional[int] = None) ->
     p.add_argument("--precision", default=None, help="Lightning precision; default bf16-true (cuda), 32-true (cpu)")
     p.add_argument("--loss-impl", default="auto", help="MoELanguageModel(loss_impl=...)")
     p.add_argument("--compile", action="store_true", help="MoEParallelStrategy(compile=True) for every run of ours")
+    p.add_argument("--no-shared-overlap", action="store_true",
+                   help="MoELayer.overlap_shared_experts = False: the shared experts (DeepSeek-V3) run after the "
+                   "combine instead of while the tokens travel; run with and without to measure the overlap")
     p.add_argument("--profile", action="store_true", help="all-to-all exposure from a trace of the last steps")
     p.add_argument("--profile-steps", type=int, default=None, help="profiled (untimed) steps (default 2; 1 on cpu)")
     p.add_argument("--keep-traces", action="store_true", help="keep every rank's trace (default: rank 0's)")
@@ -530,6 +533,10 @@ def run_one(index: int, kind: str, layout: str, routing: str, cfg: Any, args: ar
                                                           "edp_shard")}
             micro = args.batch_per_gpu * world // dims.num_data_shards
             strategy = MoEParallelStrategy(**lay, compile=args.compile)
+            from lightning_moe.moe.layer import MoELayer
+
+            MoELayer.overlap_shared_experts = not args.no_shared_overlap  # this process's runs of ours
+            head["overlap_shared_experts"] = MoELayer.overlap_shared_experts
     except Exception as e:  # e.g. transformers missing: this run fails, the others still go
         return {**head, "error": ts._err(e), "traceback": traceback.format_exc(), "ok": False}
     head["micro_batch_per_data_shard"] = micro
@@ -679,7 +686,8 @@ def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     for r in sorted(runs, key=lambda r: (r["model"], r["world"], r["kind"] != "ours")):
         rows.append([
             r["model"], str(r["world"]), ("none (1 GPU)" if r["world"] == 1 and r["kind"] == "ours" else r["layout"])
-            + (" [transformers]" if r["kind"] == "peer" else ""), r["routing"],
+            + (" [transformers]" if r["kind"] == "peer" else "")
+            + (" [shared experts not overlapped]" if r.get("overlap_shared_experts") is False else ""), r["routing"],
             _fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), _fmt(r.get("tflops_per_gpu"), ".1f"),
             _fmt(r.get("mfu"), ".1%"), _fmt(r.get("peak_gib"), ".1f"), _fmt(r.get("vs_one_gpu"), ".1%"),
             _fmt(r.get("vs_peer"), ".2f", "x"), _fmt(r.get("a2a_ms_per_step"), ".1f"),

@@ -45,7 +45,8 @@ def smoke(tmp_path_factory):
         "w2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
                *common, "--layouts", "ep=2;tp=2,ep=2", "--routing", "learned", "--peer", "--profile",
                "--pg-timeout", "60", "--out", str(d / "w2.json")],
-        "w1": [sys.executable, str(SCRIPT), *common, "--routing", "learned,forced", "--out", str(d / "w1.json")],
+        "w1": [sys.executable, str(SCRIPT), *common, "--routing", "learned,forced", "--no-shared-overlap",
+               "--out", str(d / "w1.json")],
     }
     procs = {}
     for name, cmd in calls.items():  # output to files: a full pipe would block a rank
@@ -88,6 +89,9 @@ def test_smoke_runs_record_per_gpu_figures(smoke):
         assert "transformers cannot be imported" in hf["skipped"]
     ran = [r for r in w2["runs"] if not r.get("skipped")]
     assert [(r["layout"], r["routing"]) for r in w1["runs"]] == [("none", "learned"), ("none", "forced")]
+    # MoELayer.overlap_shared_experts as each call set it (default on; the reference ran with --no-shared-overlap)
+    assert [r["overlap_shared_experts"] for r in w2["runs"] if r["kind"] == "ours"] == [True, True]
+    assert [r["overlap_shared_experts"] for r in w1["runs"]] == [False, False]
     dims = {r["layout"]: r["dims"] for r in w2["runs"] if r["kind"] == "ours"}
     assert dims["ep=2"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 2, "etp": 1, "edp_shard": 1}
     assert (dims["tp=2,ep=2"]["dp_shard"], dims["tp=2,ep=2"]["tp"], dims["tp=2,ep=2"]["ep"]) == (1, 2, 2)
@@ -125,7 +129,7 @@ def test_compare_prints_the_ratios_of_the_files(sc, smoke, capsys):
     rows = {(r["GPUs"], r["layout"], r["routing"]): r for r in _rows(printed)}
     ref = {r["routing"]: r for r in smoke["w1"]["runs"]}
     peer = next((r for r in smoke["w2"]["runs"] if r["kind"] == "peer" and not r.get("skipped")), None)
-    assert rows[("1", "none (1 GPU)", "forced")]["vs 1 GPU"] == "-"
+    assert rows[("1", "none (1 GPU) [shared experts not overlapped]", "forced")]["vs 1 GPU"] == "-"
     for r in smoke["w2"]["runs"]:
         if r["kind"] != "ours":
             continue
