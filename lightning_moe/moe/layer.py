@@ -91,7 +91,9 @@ class MoELayer(nn.Module):
     ``overlap_shared_experts`` (default True): with a distributed dispatcher that ``overlaps`` (all-to-all,
     all-gather), the shared experts' forward is queued while the routed tokens travel, between the collective's
     issue and its first use, instead of after the combine (Megatron's ``--moe-shared-expert-overlap``, without a
-    side stream). The same operations on the same inputs: the output and gradients are unchanged.
+    side stream). The same operations on the same inputs: the output and gradients are unchanged. Forward only:
+    in the backward a collective waits on everything queued before it, and torch's functional collectives wait
+    for their own result at once, so overlapping the backward would need a side stream.
     """
 
     regather_rows = True
