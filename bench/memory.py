@@ -184,8 +184,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
 
-    labels = SETTINGS if wanted is None else ["none"] + [x for x in SETTINGS if x in wanted and x != "none"] + sorted(
-        wanted - set(SETTINGS))
+    # "none" first (the baseline of every ratio), then the chosen defaults in their order, then the other labels
+    labels = SETTINGS if wanted is None else ["none", *(x for x in SETTINGS[1:] if x in wanted),
+                                              *sorted(wanted - set(SETTINGS))]
     for label in labels:
         parse_setting(label)  # a malformed label fails here, before any run
     for label in labels:

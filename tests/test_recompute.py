@@ -82,20 +82,16 @@ def test_strategy_and_cli_forms_of_the_kinds():
 def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     """Bytes autograd keeps for the backward of one forward (each storage once, parameters excluded)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
+    sizes: dict[int, int] = {}  # storage -> bytes
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen.add(ptr)
-            sizes[ptr] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in params:
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    sizes: dict[int, int] = {}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(ids)
-    del logits
-    return sum(sizes[p] for p in seen)
+        model(ids)
+    return sum(sizes.values())
 
 
 def test_full_on_the_first_n_blocks_dials_memory_and_keeps_gradients():

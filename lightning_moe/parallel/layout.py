@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_moe.parallel.dims import ParallelDims
 
 __all__ = ["AC_MODES", "RECOMPUTE_KINDS", "DISPATCHERS", "TP_COLWISE", "TP_ROWWISE", "TP_MODEL", "EXPERT_WEIGHTS",
-           "block_relative", "check_recompute_num_layers", "parse_activation_checkpointing", "format_activation_checkpointing",
-           "split_factors"]
+           "block_relative", "check_recompute_num_layers", "parse_activation_checkpointing",
+           "format_activation_checkpointing", "split_factors"]
 
 AC_MODES = ("none", "full")
 # module kinds ``activation_checkpointing`` may list (Megatron's --recompute-modules); none of them holds a collective
