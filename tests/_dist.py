@@ -1,8 +1,23 @@
 """Multi-rank test launcher: runs ``fn(rank, world_size, *args)`` on W gloo ranks in fresh processes.
 
+Usage (a multi-rank test)::
+
+    from _dist import run_distributed
+
+    def _worker(rank, world_size, path):        # module level (picklable); runs on every rank
+        ...                                      # the gloo process group is already initialised
+        return result                            # rank 0's return value (picklable) comes back
+
+    def test_something(tmp_path):
+        assert run_distributed(_worker, 2, str(tmp_path)) == expected   # raises with every failing rank's traceback
+
 Ranks are started with torch.multiprocessing (not Lightning's launcher, which re-executes sys.argv and would
-re-run pytest). Process groups get a short timeout so a deadlock fails within a minute. ``fn`` must be a
-module-level function (picklable); a return value of rank 0 is handed back.
+re-run pytest). Process groups get a short timeout so a deadlock fails within a minute; ``timeout`` bounds the whole
+call. Every call gets fresh rank processes (no state carries from one test to the next), forked from a
+"forkserver" process that imported torch, lightning and lightning_moe once for the whole session: importing them
+takes 6-13 s a process on a 2-core machine, forking a warm process well under one. Each rank gets the caller's
+os.environ at the time of the call (the server's own was fixed when it started), then the rank variables.
+Tests that use this launcher are marked ``dist`` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -11,6 +26,8 @@ import datetime
 import os
 import pickle
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -19,15 +36,33 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PG_TIMEOUT = datetime.timedelta(seconds=60)
+# imported once by the fork server; every rank is forked from it. (transformers: test_hf's workers need it.)
+PRELOAD = ("torch", "lightning", "lightning_moe", "transformers")
+
+_ctx = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _context() -> Any:
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(list(PRELOAD))
+    return _ctx
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _module_files() -> dict[str, str]:
+    """Where this process's preloaded packages come from (those it has imported)."""
+    return {name: getattr(sys.modules[name], "__file__", None) for name in PRELOAD if name in sys.modules}
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, environ: dict,
+            parent_files: dict, log: str) -> None:
+    # the server's stdout and stderr are those of the test that started it: write to this call's log instead
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
@@ -36,7 +71,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
     torch.set_num_threads(1)
     try:
+        # the server imported the packages before this process's sys.path was set: they must be the caller's
+        mine = _module_files()
+        wrong = {k: (v, mine[k]) for k, v in parent_files.items() if k in mine and mine[k] != v}
+        if wrong:
+            raise RuntimeError(f"the fork server imported other copies than the test process (test, server): {wrong}")
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
+        # gloo's connect can still be in progress on a peer when init returns here; a rank whose fn returns at once
+        # and exits would then break the peer's init ("Connection closed by peer")
+        dist.barrier()
         out = fn(rank, world_size, *args)
         # plain pickle bytes: torch's queue pickler would share tensors by file descriptor, gone once we exit
         queue.put((rank, "ok", pickle.dumps(out) if rank == 0 else None))
@@ -47,12 +90,33 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0) -> Any:
     """Run ``fn`` on ``world_size`` gloo ranks; raise with every failing rank's traceback; return rank 0's result."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    environ, files = dict(os.environ), _module_files()
+    with tempfile.TemporaryDirectory(prefix="run_distributed_") as logs:
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ, files,
+                                                   f"{logs}/rank{r}.log")) for r in range(world_size)]
+        try:
+            return _collect(procs, queue, world_size, timeout)
+        finally:  # the ranks' output goes to the test's captured output (shown when it fails)
+            for r in range(world_size):
+                if os.path.exists(f"{logs}/rank{r}.log"):
+                    with open(f"{logs}/rank{r}.log", errors="replace") as f:
+                        text = f.read()
+                    if text:
+                        sys.stderr.write(f"---- rank {r} output ----\n{text}")
+
+
+def _collect(procs: list, queue: Any, world_size: int, timeout: float) -> Any:
     for p in procs:
         p.start()
     # read results while the ranks run: a rank blocks on a large result until the pipe is drained
