@@ -1,3 +1,17 @@
+"""Test tiers (markers registered in pyproject.toml; ``--strict-markers`` refuses unknown ones).
+
+- ``dist``: the test, or a fixture or module-level helper it reaches, starts several processes that form a process
+  group: ``run_distributed`` (tests/_dist.py) or torchrun (``torch.distributed.run``). Set here, from the module's
+  source (``_reaches``): nothing to write in a new multi-rank test.
+- ``slow``: over ~5 s on the 2-core machine. Set here for tests that start a Python subprocess (a fresh interpreter
+  imports torch + lightning for 6-13 s); written as ``@pytest.mark.slow`` on the others.
+- ``bench``: the tests of a ``bench/`` script (the modules named ``test_*bench*``). Set here.
+- ``quick``: everything else; ``python -m pytest -m quick`` is the developer's quick tier, plain ``python -m pytest``
+  the full suite (CI). A run's summary lists the quick tests that took longer than ``QUICK_LIMIT_S``.
+"""
+
+import ast
+import functools
 import os
 import sys
 
@@ -13,6 +27,79 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 
 import pytest  # noqa: E402
+
+QUICK_LIMIT_S = 5.0
+DIST_NAMES = {"run_distributed"}
+DIST_STRINGS = ("torch.distributed.run",)
+SUBPROCESS_NAMES = {"subprocess"}
+
+
+@functools.lru_cache(maxsize=None)
+def _module_refs(path: str) -> dict[str, frozenset]:
+    """Top-level function name -> the names, attributes and strings its body mentions."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    refs = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found = set()
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name):
+                    found.add(sub.id)
+                elif isinstance(sub, ast.Attribute):
+                    found.add(sub.attr)
+                elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    found.add(sub.value)
+            refs[node.name] = frozenset(found)
+    return refs
+
+
+def _reaches(item: pytest.Item) -> set:
+    """Everything the test function, its fixtures and the module-level functions they name (transitively) mention."""
+    refs = _module_refs(str(item.path))
+    todo = [item.originalname, *item.fixturenames]
+    seen, mentioned = set(), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in refs:
+            continue
+        seen.add(name)
+        mentioned |= refs[name]
+        todo.extend(refs[name])
+    return mentioned
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        mentioned = _reaches(item)
+        if mentioned & DIST_NAMES or any(s in m for m in mentioned for s in DIST_STRINGS):
+            item.add_marker(pytest.mark.dist)
+        if mentioned & SUBPROCESS_NAMES:
+            item.add_marker(pytest.mark.slow)
+        if "bench" in item.path.stem:
+            item.add_marker(pytest.mark.bench)
+        if not any(item.get_closest_marker(m) for m in ("dist", "slow", "bench")):
+            item.add_marker(pytest.mark.quick)
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if "quick" in report.keywords:
+        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = sorted(((d, n) for n, d in _durations.items() if d > QUICK_LIMIT_S), reverse=True)
+    if over:
+        terminalreporter.section("quick-tier tests over the limit")
+        terminalreporter.write_line(f"these took over {QUICK_LIMIT_S:.0f} s (setup + call + teardown): mark them "
+                                    "@pytest.mark.slow, or make them faster")
+        for d, n in over:
+            terminalreporter.write_line(f"{d:6.1f} s  {n}")
 
 
 @pytest.fixture(autouse=True)

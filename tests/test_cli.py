@@ -264,7 +264,8 @@ def test_validation_interval_longer_than_the_epoch_is_no_error(tmp_path):
     code = _run(["fit", "--config", TINY, "--data.max_tokens=20000", "--trainer.max_steps=12",
                  "--trainer.val_check_interval=10", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0",
                  f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-                 "--trainer.enable_model_summary=false"])
+                 "--trainer.enable_model_summary=false",  # the CSV it reads (the default is TensorBoard if installed)
+                 "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}"])
     assert code == 0
     metrics = glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
     with open(metrics[0]) as f:

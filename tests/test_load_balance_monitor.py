@@ -328,7 +328,7 @@ def test_wandb_offline_gets_heatmap_and_histograms_and_csv_gets_scalars(tmp_path
 
 
 def test_tensorboard_gets_the_heatmap_image(tmp_path):
-    pytest.importorskip("tensorboard", reason="TensorBoard is not installed (Lightning's TensorBoardLogger needs it)")
+    import tensorboard  # noqa: F401  (the "test" extra installs it; Lightning's TensorBoardLogger needs it)
     from lightning.pytorch.loggers import TensorBoardLogger
 
     tb = TensorBoardLogger(str(tmp_path), name="tb")
