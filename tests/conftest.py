@@ -1,4 +1,4 @@
-"""Test tiers (markers registered in pyproject.toml; ``--strict-markers`` refuses unknown ones).
+"""Test tiers (markers registered in pyproject.toml, where ``strict_markers`` refuses unknown ones).
 
 - ``dist``: the test, or a fixture or module-level helper it reaches, starts several processes that form a process
   group: ``run_distributed`` (tests/_dist.py) or torchrun (``torch.distributed.run``). Set here, from the module's
