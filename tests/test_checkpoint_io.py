@@ -17,7 +17,7 @@ from _dist import run_distributed
 from parallel_harness import GLOBAL_BATCH, FixedData, small_config
 
 from lightning_moe import MoELanguageModel, MoEParallelStrategy
-from lightning_moe.checkpoint_io import CorruptCheckpointError, SafeCheckpointIO
+from lightning_moe.checkpoint.files import CorruptCheckpointError, SafeCheckpointIO
 
 
 def _corrupt(path: Path, offset: int = 4096, n: int = 64) -> None:
