@@ -34,8 +34,9 @@ def start_next_epoch(checkpoint: dict[str, Any]) -> bool:
     done = batches["total"]
     # is_last_batch alone also holds after the save in on_train_batch_end of the last batch (completed is one
     # behind there) and after validation at the epoch end, before the epoch was processed: both resume correctly
-    epoch_ended = (batches["is_last_batch"] and done["ready"] == done["started"] == done["processed"] == done["completed"]
-                   and epochs["total"]["processed"] == epochs["total"]["started"])
+    batches_complete = done["ready"] == done["started"] == done["processed"] == done["completed"]
+    epoch_processed = epochs["total"]["processed"] == epochs["total"]["started"]
+    epoch_ended = batches["is_last_batch"] and batches_complete and epoch_processed
     if not epoch_ended:
         return False
     for counter in (epochs["total"], epochs["current"]):

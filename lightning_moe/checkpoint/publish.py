@@ -123,8 +123,9 @@ def _delete(entries: list[Path]) -> None:
             os.rename(entry, moved)
             entry = moved
         trash.append(entry)
-    for entry in trash:
-        shutil.rmtree(entry)
+    for entry in dict.fromkeys(trash):
+        if entry.exists():
+            shutil.rmtree(entry)
     if entries:
         fsync_dir(entries[0].parent)
 
