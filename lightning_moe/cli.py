@@ -19,14 +19,13 @@ import os
 import re
 import sys
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe.callbacks import LoadBalanceMonitor
-from lightning_moe.checkpointing import accept_state_by_name
+from lightning_moe.checkpoint.optimizer_state import accept_state_by_name
 from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
 from lightning_moe.data import TextDataModule
 from lightning_moe.module import MoELanguageModel
@@ -479,8 +478,10 @@ def _checkpoint_hparams(path: str) -> Optional[dict[str, Any]]:
     """The hyper-parameters stored in a checkpoint file or distributed checkpoint directory (weights_only)."""
     import torch
 
-    p = Path(path)
-    meta = p / "meta.pt" if p.is_dir() else p
+    from lightning_moe.checkpoint import META_FILE, resolve
+
+    p = resolve(path)
+    meta = p / META_FILE if p.is_dir() else p
     if not meta.exists():
         raise UsageError(f"--ckpt_path {path}: no such checkpoint")
     try:

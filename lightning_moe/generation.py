@@ -27,14 +27,13 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from lightning_moe.checkpoint.format import DCP_METADATA_FILE as _DCP_METADATA
+from lightning_moe.checkpoint.format import META_FILE as _LIGHTNING_META
+from lightning_moe.checkpoint.publish import resolve
 from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.transformer import KVCache, MoETransformer
 
 __all__ = ["generate", "generate_text", "generate_any", "load_for_generation", "generate_main", "sample_next_token"]
-
-# Lightning's name for the non-tensor part of a distributed checkpoint directory (lightning.fabric.utilities.load)
-_LIGHTNING_META = "meta.pt"
-_DCP_METADATA = ".metadata"
 
 
 # ---- sampling -------------------------------------------------------------------------------------------------------
@@ -381,7 +380,7 @@ def load_for_generation(ckpt_path: Union[str, os.PathLike], device: Union[str, t
 
     The config comes from the checkpoint's ``hyper_parameters["config"]``. ``dtype`` None keeps the checkpoint's
     parameter dtype; routers stay fp32 either way. Nothing in the files is executed."""
-    path = Path(os.path.expanduser(str(ckpt_path)))
+    path = resolve(os.path.expanduser(str(ckpt_path)))
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.build import ModelTransform, build_model
-from lightning_moe.checkpointing import accept_state_by_name, optimizer_state_by_name
+from lightning_moe.checkpoint.loop_state import start_next_epoch
+from lightning_moe.checkpoint.optimizer_state import accept_state_by_name, optimizer_state_by_name
 from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.lm_loss import IGNORE_INDEX, LOSS_IMPLS
 from lightning_moe.models.transformer import MoETransformer
@@ -557,11 +558,14 @@ class MoELanguageModel(L.LightningModule):
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint of another model fails here, naming the parameters and shapes (Lightning's single-device
-        loader; MoEParallelStrategy checks in its own load_checkpoint)."""
+        loader; MoEParallelStrategy checks in its own load_checkpoint). One saved at the end of an epoch resumes at
+        the next epoch's first batch (:mod:`lightning_moe.checkpoint.loop_state`; runs before Lightning restores
+        its loops)."""
+        start_next_epoch(checkpoint)
         self._restored_hparams = dict(checkpoint.get("hyper_parameters") or {})
         sd = checkpoint.get("state_dict")
         if sd is not None and self.model is not None:
-            from lightning_moe.checkpointing import check_shapes
+            from lightning_moe.checkpoint.optimizer_state import check_shapes
 
             check_shapes({k: tuple(v.shape) for k, v in self.state_dict().items()},
                          {k: tuple(v.shape) for k, v in sd.items()}, "being loaded", strict=self.strict_loading)

@@ -17,7 +17,7 @@ from _dist import run_distributed
 from parallel_harness import GLOBAL_BATCH, FixedData, small_config
 
 from lightning_moe import MoELanguageModel, MoEParallelStrategy
-from lightning_moe.checkpoint_io import CorruptCheckpointError, SafeCheckpointIO
+from lightning_moe.checkpoint.files import CorruptCheckpointError, SafeCheckpointIO
 
 
 def _corrupt(path: Path, offset: int = 4096, n: int = 64) -> None:
@@ -191,8 +191,12 @@ def _model_checkpoint_dirs(rank: int, world_size: int, tmp: str) -> dict:
                         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[cb])
     trainer.fit(model, datamodule=FixedData(GLOBAL_BATCH // 2, GLOBAL_BATCH * 4))
     dist.barrier()
+    from lightning_moe.checkpoint import VERSIONS_DIR, resolve
+
     return {"entries": sorted(p.name for p in Path(tmp).iterdir()), "best": sorted(Path(p).name for p in cb.best_k_models),
-            "dirs": all((Path(tmp) / n).is_dir() for n in ("last.ckpt",))}
+            "dirs": all((Path(tmp) / n).is_dir() for n in ("last.ckpt",)),
+            "versions": sorted(p.name for p in (Path(tmp) / VERSIONS_DIR).iterdir()),
+            "linked": sorted(resolve(p).name for p in Path(tmp).iterdir() if p.name.endswith(".ckpt"))}
 
 
 def test_model_checkpoint_top_k_and_last_with_distributed_checkpoints(tmp_path):
@@ -202,6 +206,8 @@ def test_model_checkpoint_top_k_and_last_with_distributed_checkpoints(tmp_path):
     assert sorted(ckpts) == sorted(out["best"] + ["last.ckpt"]), out
     assert len(out["best"]) == 2 and out["dirs"]
     assert not any(e.endswith((".tmp", ".old")) for e in out["entries"]), out
+    # each kept checkpoint is a link to its one version; the removed ones took their versions with them
+    assert out["versions"] == out["linked"] and len(out["versions"]) == 3, out
 
 
 def _async(rank: int, world_size: int, tmp: str) -> dict:

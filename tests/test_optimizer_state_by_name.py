@@ -14,7 +14,7 @@ from _dist import run_distributed
 from parallel_harness import GLOBAL_BATCH, FixedData, small_config
 
 from lightning_moe import MoELanguageModel, MoEParallelStrategy
-from lightning_moe.checkpointing import is_by_name, optimizer_state_by_index, optimizer_state_by_name
+from lightning_moe.checkpoint.optimizer_state import is_by_name, optimizer_state_by_index, optimizer_state_by_name
 
 
 def _model() -> torch.nn.Module:

@@ -6,10 +6,16 @@ The data is the embedded corpus packed into 18 samples of 32 tokens, shuffled, 4
 epoch = 4 steps, 2 samples left over). The runs take 6 steps and are cut after step 3, so the resumed run continues
 mid-epoch (step 4 is the last of epoch 0) and then crosses into epoch 1 (a new shuffle). AdamW with warmup + cosine
 decay and sigmoid routing with an expert bias: optimizer moments, the LR position and the bias all have to resume.
+
+At an epoch boundary (2 steps an epoch, cut after step 2): a save by ``trainer.save_checkpoint`` after ``fit`` and by
+a ``ModelCheckpoint`` in ``on_train_epoch_end`` or on the last batch, with our data module and with a plain
+DataLoader, and one saved at W=2 resumed in one process, all continue at batch 0 of epoch 1 like the uninterrupted
+run (:mod:`lightning_moe.checkpoint.loop_state`).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any, Optional
 
@@ -32,6 +38,10 @@ STEPS = 6
 CUT = 3
 RTOL = 1e-5
 MOE = dict(score_func="sigmoid", expert_bias=True, bias_update_rate=1e-2, aux_loss_type="seq")
+# the epoch-boundary runs: 8 samples, 2 steps an epoch, cut after step 2 (the last batch of epoch 0), 5 steps
+EPOCH_SAMPLES = 8
+EPOCH_CUT = 2
+EPOCH_STEPS = 5
 
 
 # ---------------------------------------------------------------------------- sampler and loader (no Trainer)
@@ -187,10 +197,12 @@ class Record(Callback):
         self.losses: list[float] = []
         self.batches: list[torch.Tensor] = []
         self.epochs: list[int] = []  # the shuffle epoch of each batch
+        self.positions: list[tuple[int, int]] = []  # Lightning's (current_epoch, batch_idx) of each batch
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.batches.append(batch["input_ids"].detach().cpu().clone())
         self.epochs.append(trainer.train_dataloader.sampler.epoch)
+        self.positions.append((trainer.current_epoch, batch_idx))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self.losses.append(float(pl_module.last_step.loss))
@@ -208,13 +220,14 @@ class _BeforeTheFix(TextDataModule):
                                            drop_last=loader.drop_last)
 
 
-def _data(cls: type = TextDataModule) -> TextDataModule:
-    return cls(seq_len=SEQ, max_tokens=NUM_SAMPLES * SEQ + 1, val_fraction=0.0, shuffle=True, seed=11,
+def _data(cls: type = TextDataModule, num_samples: int = NUM_SAMPLES) -> TextDataModule:
+    return cls(seq_len=SEQ, max_tokens=num_samples * SEQ + 1, val_fraction=0.0, shuffle=True, seed=11,
                global_batch_size=GLOBAL_BATCH)
 
 
 def _fit(strategy: Any, steps: int, ckpt_in: Optional[str] = None, ckpt_out: Optional[str] = None,
-         seed: int = 0, data_cls: type = TextDataModule, callbacks: tuple = ()) -> dict[str, Any]:
+         seed: int = 0, data_cls: type = TextDataModule, callbacks: tuple = (),
+         num_samples: int = NUM_SAMPLES) -> dict[str, Any]:
     torch.manual_seed(seed)  # a resumed run starts from other weights: the checkpoint must overwrite them
     model = MoELanguageModel(small_config(**MOE), lr=3e-3, warmup_steps=2, max_steps=STEPS, min_lr_ratio=0.1)
     rec = Record()
@@ -224,7 +237,7 @@ def _fit(strategy: Any, steps: int, ckpt_in: Optional[str] = None, ckpt_out: Opt
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec, *callbacks])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, datamodule=_data(data_cls), ckpt_path=ckpt_in)
+        trainer.fit(model, datamodule=_data(data_cls, num_samples), ckpt_path=ckpt_in)
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -232,19 +245,20 @@ def _fit(strategy: Any, steps: int, ckpt_in: Optional[str] = None, ckpt_out: Opt
     full = get_model_state_dict(model.model, options=StateDictOptions(full_state_dict=True))
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().float().clone()
              for k, v in full.items()}
-    return {"losses": rec.losses, "batches": rec.batches, "epochs": rec.epochs, "state": state,
+    return {"losses": rec.losses, "batches": rec.batches, "epochs": rec.epochs, "positions": rec.positions,
+            "state": state,
             "global_step": trainer.global_step, "epoch": trainer.current_epoch, "sampler": type(trainer.train_dataloader.sampler).__name__,
             "not_resumable_warning": any("not resumable" in str(w.message) for w in caught)}
 
 
-def _differences(resumed: dict[str, Any], ref: dict[str, Any]) -> list[str]:
-    """Where the resumed part (steps CUT+1..STEPS) and the final parameters differ from the uninterrupted run."""
+def _differences(resumed: dict[str, Any], ref: dict[str, Any], cut: int = CUT, steps: int = STEPS) -> list[str]:
+    """Where the resumed part (steps cut+1..steps) and the final parameters differ from the uninterrupted run."""
     problems = []
-    if resumed["global_step"] != STEPS or len(resumed["losses"]) != STEPS - CUT:
+    if resumed["global_step"] != steps or len(resumed["losses"]) != steps - cut:
         problems.append(f"resumed run took {len(resumed['losses'])} steps, ended at {resumed['global_step']}")
-    for i, (a, b) in enumerate(zip(resumed["losses"], ref["losses"][CUT:])):
+    for i, (a, b) in enumerate(zip(resumed["losses"], ref["losses"][cut:])):
         if abs(a - b) > RTOL * abs(b):
-            problems.append(f"step {CUT + 1 + i}: loss {a:.8f} vs uninterrupted {b:.8f}")
+            problems.append(f"step {cut + 1 + i}: loss {a:.8f} vs uninterrupted {b:.8f}")
     for k, v in ref["state"].items():
         err = float((resumed["state"][k] - v).norm() / v.norm().clamp(min=1e-12))
         if err > RTOL:
@@ -313,6 +327,8 @@ def _two_ranks(rank: int, world_size: int, tmp: str, one_process_ckpt: str) -> d
     out["resumed"] = _fit(MoEParallelStrategy(ep=2), STEPS, ckpt_in=f"{tmp}/ep2_step3", seed=1)
     # layout change: the one-process checkpoint (a file) resumed at W=2 under ep=2
     out["from_one_process"] = _fit(MoEParallelStrategy(ep=2), STEPS, ckpt_in=one_process_ckpt, seed=1)
+    # saved after fit at the end of an epoch, resumed in one process (test_epoch_end_checkpoint_of_two_ranks_...)
+    _fit(MoEParallelStrategy(ep=2), EPOCH_CUT, ckpt_out=f"{tmp}/ep2_epoch_end", num_samples=EPOCH_SAMPLES)
     return out
 
 
@@ -324,7 +340,7 @@ def _one_rank(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
 def two_ranks(one_process, tmp_path_factory) -> dict[str, Any]:
     tmp = str(tmp_path_factory.mktemp("ep2"))
     out = run_distributed(_two_ranks, 2, tmp, one_process["ckpt"])
-    out["dir"] = f"{tmp}/ep2_step3"
+    out["dir"], out["tmp"] = f"{tmp}/ep2_step3", tmp
     return out
 
 
@@ -364,6 +380,113 @@ def test_layouts_agree_uninterrupted(two_ranks, one_process):
     problems = _differences({**two_ranks["ref"], "losses": two_ranks["ref"]["losses"][CUT:], "global_step": STEPS},
                             one_process["ref"])
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------- resume at an epoch boundary
+def _epoch_end_runs(rank: int, world_size: int, tmp: str, ep2_ckpt: str) -> dict[str, Any]:
+    """MoEParallelStrategy on one process (the issue's setting): the uninterrupted run with two ModelCheckpoints
+    (on the last batch of each epoch, and at each epoch's end), the run cut after step 2 and saved after fit, and
+    their resumes; the same cut with a plain DataLoader; the W=2 checkpoint resumed here."""
+    def fit(steps: int, **kw: Any) -> dict[str, Any]:
+        return _fit(MoEParallelStrategy(), steps, num_samples=EPOCH_SAMPLES, **kw)
+
+    on_batch = ModelCheckpoint(dirpath=f"{tmp}/on_batch", filename="{step}", every_n_train_steps=EPOCH_CUT,
+                               save_top_k=-1)
+    on_epoch_end = ModelCheckpoint(dirpath=f"{tmp}/on_epoch_end", filename="{step}", every_n_epochs=1, save_top_k=-1)
+    out = {"ref": fit(EPOCH_STEPS, callbacks=(on_batch, on_epoch_end)),
+           "first": fit(EPOCH_CUT, ckpt_out=f"{tmp}/after_fit")}
+    out["after_fit"] = fit(EPOCH_STEPS, ckpt_in=f"{tmp}/after_fit", seed=1)
+    out["on_batch"] = fit(EPOCH_STEPS, ckpt_in=f"{tmp}/on_batch/step={EPOCH_CUT}.ckpt", seed=1)
+    out["on_epoch_end"] = fit(EPOCH_STEPS, ckpt_in=f"{tmp}/on_epoch_end/step={EPOCH_CUT}.ckpt", seed=1)
+    fit(EPOCH_CUT, ckpt_out=f"{tmp}/plain", data_cls=_BeforeTheFix)
+    out["plain"] = fit(EPOCH_STEPS, ckpt_in=f"{tmp}/plain", seed=1, data_cls=_BeforeTheFix)
+    out["from_two_ranks"] = fit(EPOCH_STEPS, ckpt_in=ep2_ckpt, seed=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def epoch_end(two_ranks, tmp_path_factory) -> dict[str, Any]:
+    tmp = str(tmp_path_factory.mktemp("epoch_end"))
+    out = run_distributed(_epoch_end_runs, 1, tmp, f"{two_ranks['tmp']}/ep2_epoch_end", timeout=500)
+    out["tmp"] = tmp
+    return out
+
+
+def _epoch_end_problems(resumed: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    problems = _differences(resumed, ref, EPOCH_CUT, EPOCH_STEPS)
+    if resumed["positions"] != ref["positions"][EPOCH_CUT:]:  # step 3 is batch 0 of epoch 1, not batch 2
+        problems.append(f"(epoch, batch_idx) {resumed['positions']} vs uninterrupted {ref['positions'][EPOCH_CUT:]}")
+    if not all(torch.equal(a, b) for a, b in zip(resumed["batches"], ref["batches"][EPOCH_CUT:])):
+        problems.append("the resumed steps read other samples than the uninterrupted run's")
+    return problems
+
+
+@pytest.mark.timeout(600)
+def test_epoch_end_resume_after_fit_is_exact(epoch_end):
+    ref = epoch_end["ref"]
+    moe = small_config(**MOE).moe
+    assert moe.score_func == "sigmoid" and moe.expert_bias and moe.aux_loss_type == "seq" and moe.z_loss_coeff > 0
+    assert ref["positions"] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)] and ref["epochs"] == [0, 0, 1, 1, 2]
+    assert epoch_end["first"]["losses"] == ref["losses"][:EPOCH_CUT]
+    assert len({round(x, 6) for x in ref["losses"]}) == EPOCH_STEPS  # a resume that read other samples shows
+    problems = _epoch_end_problems(epoch_end["after_fit"], ref)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(600)
+def test_epoch_end_resume_with_a_plain_dataloader_is_exact(epoch_end):
+    """No loader state at all (a DataLoader over a DistributedSampler): the epoch boundary is enough."""
+    problems = _epoch_end_problems(epoch_end["plain"], epoch_end["ref"])
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", ["on_batch", "on_epoch_end"])
+def test_model_checkpoint_at_the_end_of_an_epoch_resumes_exactly(epoch_end, where):
+    """ModelCheckpoint saving on the epoch's last batch (``on_train_batch_end``) and at the epoch's end
+    (``on_train_epoch_end``)."""
+    problems = _epoch_end_problems(epoch_end[where], epoch_end["ref"])
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(600)
+def test_epoch_end_checkpoint_of_two_ranks_resumed_in_one_process(epoch_end):
+    """Saved at W=2 (ep=2, a distributed checkpoint) after fit at the end of epoch 0, resumed by one process at the
+    same global batch: continues like the one-process uninterrupted run (the layouts agree, see above)."""
+    problems = _epoch_end_problems(epoch_end["from_two_ranks"], epoch_end["ref"])
+    assert not problems, "\n".join(problems)
+
+
+def _loops(path: str) -> dict[str, Any]:
+    from lightning_moe.checkpoint import META_FILE, resolve
+
+    target = resolve(path)
+    ckpt = torch.load(target / META_FILE if target.is_dir() else target, weights_only=True)
+    return ckpt
+
+
+@pytest.mark.timeout(600)
+def test_start_next_epoch_on_the_checkpoints_lightning_writes(epoch_end, one_process):
+    """The loop-state rewrite reads Lightning's private layout: it must recognise the epoch-end checkpoints that
+    Lightning writes (and rewrite them to the next epoch's start) and leave the others alone."""
+    from lightning_moe.checkpoint.loop_state import start_next_epoch
+
+    tmp = epoch_end["tmp"]
+    for path in (f"{tmp}/after_fit", f"{tmp}/on_epoch_end/step={EPOCH_CUT}.ckpt"):
+        ckpt = _loops(path)
+        assert start_next_epoch(ckpt), path
+        fit = ckpt["loops"]["fit_loop"]
+        assert fit["epoch_loop.batch_progress"]["current"] == {"ready": 0, "started": 0, "processed": 0,
+                                                               "completed": 0}
+        assert fit["epoch_loop.batch_progress"]["total"]["completed"] == EPOCH_CUT
+        assert fit["epoch_progress"]["total"] == {"ready": 1, "started": 1, "processed": 1, "completed": 1}
+        assert not start_next_epoch(ckpt)  # the rewritten state is an epoch start, nothing more to do
+    # mid-epoch (after fit and from ModelCheckpoint) and on the last batch (Lightning's own reset covers it)
+    for path in (one_process["ckpt"], f"{tmp}/on_batch/step={EPOCH_CUT}.ckpt"):
+        ckpt = _loops(path)
+        before = copy.deepcopy(ckpt["loops"])
+        assert not start_next_epoch(ckpt) and ckpt["loops"] == before, path
+    assert not start_next_epoch({"state_dict": {}})  # weights only
 
 
 # ---------------------------------------------------------------------------- the resharding matrix at W=4

@@ -45,6 +45,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_moe.checkpoint.format import clean_param_name
 from lightning_moe.config import ModelConfig, MoEConfig, YaRNScaling
 
 __all__ = [
@@ -834,15 +835,6 @@ def _attn_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 # ====================================================================================================================
 
 
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def _clean(name: str) -> str:
-    for w in _WRAPPER_PARTS:
-        name = name.replace(w, "")
-    return name
-
-
 def _fmt(keys: Iterable[str], n: int = 12) -> str:
     keys = sorted(keys)
     more = f" ... and {len(keys) - n} more" if len(keys) > n else ""
@@ -918,7 +910,7 @@ def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
     """Our state-dict entries (parameters and persistent buffers) by clean name, as the live tensors."""
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        out[_clean(name)] = t
+        out[clean_param_name(name)] = t
     return out
 
 
@@ -1068,7 +1060,7 @@ def to_hf_state_dict(state_dict: Mapping[str, Tensor], cfg: ModelConfig, model_t
     """Our state dict as the Hugging Face tensors of a ``model_type`` checkpoint on disk (per-expert keys;
     DeepSeek-V3 rope rows interleaved). Tensors are fresh copies. DTensors are gathered one at a time (a collective:
     every rank calls this); ``keep=False`` drops each gathered tensor at once (ranks that do not write)."""
-    sd = {_clean(k): v for k, v in state_dict.items()}
+    sd = {clean_param_name(k): v for k, v in state_dict.items()}
     fam = _Family(model_type, rope_interleave=(model_type == "deepseek_v3"))
     plan = _plan(cfg, fam, sd.keys(), None)
     out: dict[str, Tensor] = {}

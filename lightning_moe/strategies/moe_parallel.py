@@ -38,8 +38,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_moe.checkpoint_io import SafeCheckpointIO, verify_dir_checksums, write_dir_checksums
-from lightning_moe.checkpointing import check_shapes, is_by_name, regroup
+from lightning_moe.checkpoint.files import SafeCheckpointIO, save_fsynced, verify_dir_checksums, write_dir_checksums
+from lightning_moe.checkpoint.format import META_FILE
+from lightning_moe.checkpoint.optimizer_state import check_shapes, is_by_name, regroup
+from lightning_moe.checkpoint.publish import new_staging_dir, publish, remove, resolve
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.finalize import StepResult, finalize_module_step, finalizing_closure
 from lightning_moe.parallel.compile import resolve_compile
@@ -52,7 +54,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
            "fp16": torch.float16, "float16": torch.float16}
-_META_FILE = "meta.pt"  # the non-tensor part of a distributed checkpoint (as Lightning's ModelParallelStrategy)
 
 
 def _dtype(name: Optional[str], what: str) -> Optional[torch.dtype]:
@@ -92,6 +93,10 @@ class MoEParallelStrategy(ParallelStrategy):
         async_save: distributed checkpoints saved during training are written in the background (DCP
             ``async_save``); training stalls only for the state-dict copy to the CPU. The checkpoint appears at its
             path (atomically, with its checksums) once written: at the next save, a load, or the end of fit.
+
+    A distributed checkpoint's path is a symbolic link to its current version in ``.checkpoint_versions/`` next to
+    it, swapped atomically by each save (:mod:`lightning_moe.checkpoint.publish`): a kill at any moment of a save
+    leaves the previous checkpoint or the new one at the path, never a mix or nothing. Copy one with ``cp -rL``.
         process_group_backend: None = nccl on CUDA, gloo on CPU.
         timeout: process group timeout.
         free_grads_after_step: set the gradients to None right after each optimizer step (True by default).
@@ -466,18 +471,12 @@ class MoEParallelStrategy(ParallelStrategy):
                 self.checkpoint_io.save_checkpoint(checkpoint, path)
             self.barrier()
             return
-        import shutil
-
         import torch.distributed.checkpoint as dcp
 
         if path.is_file():
             raise FileExistsError(f"{path} is a file; a distributed checkpoint is a directory: choose another path")
-        # written under PATH.tmp and renamed into place: a failure or a kill during the save leaves the previous
-        # checkpoint at PATH complete
-        tmp = path.with_name(path.name + ".tmp")
-        if self.is_global_zero and tmp.exists():
-            shutil.rmtree(tmp)
-        self.barrier()
+        # written into a new version directory and published by swapping the link at PATH (see the class docstring)
+        staging = Path(self.broadcast(str(new_staging_dir(path)) if self.is_global_zero else None))
         tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         groups = []
         for i, osd in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -487,12 +486,18 @@ class MoEParallelStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self._async_save and trainer is not None and trainer.training:
             # the state is already on the CPU (cpu_offload in the state-dict calls): the files are written in the
-            # background; the directory appears at PATH once complete (at the next save or at the end of fit)
-            future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._cpu_group())
-            self._pending_save = (future, tmp, path, checkpoint)
+            # background; the checkpoint appears at PATH once complete (at the next save or at the end of fit)
+            future = dcp.async_save(tensors, checkpoint_id=str(staging), process_group=self._cpu_group())
+            self._pending_save = (future, staging, path, checkpoint)
             return
-        dcp.save(tensors, checkpoint_id=str(tmp))
-        self._complete_save(tmp, path, checkpoint)
+        dcp.save(tensors, checkpoint_id=str(staging))
+        self._complete_save(staging, path, checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        """ModelCheckpoint's removal of an old top-k or last checkpoint: a distributed one goes link and versions."""
+        if self.is_global_zero and not remove(filepath):
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     def _cpu_group(self) -> Optional[Any]:
         """A group of its own for the background writer's collectives: they run on another thread while training
@@ -501,21 +506,14 @@ class MoEParallelStrategy(ParallelStrategy):
             self._gloo_group = dist.new_group(backend="gloo")
         return self._gloo_group
 
-    def _complete_save(self, tmp: Path, path: Path, checkpoint: dict[str, Any]) -> None:
-        """Metadata file, checksum manifest, then the rename that makes the checkpoint visible (collective)."""
-        import shutil
-
+    def _complete_save(self, staging: Path, path: Path, checkpoint: dict[str, Any]) -> None:
+        """Metadata file, checksum manifest, then the link swap that makes the checkpoint visible (collective)."""
         if self.is_global_zero:
-            torch.save(checkpoint, tmp / _META_FILE)
+            save_fsynced(checkpoint, staging / META_FILE)
         self.barrier()
-        write_dir_checksums(tmp, self.global_rank, self.world_size, self._all_gather_object)
+        write_dir_checksums(staging, self.global_rank, self.world_size, self._all_gather_object)
         if self.is_global_zero:
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                os.replace(path, old)
-            os.replace(tmp, path)
-            if old.exists():
-                shutil.rmtree(old)
+            publish(staging, path)
         self.barrier()
 
     def finish_pending_save(self) -> None:
@@ -524,10 +522,10 @@ class MoEParallelStrategy(ParallelStrategy):
         pending, self._pending_save = self._pending_save, None
         if pending is None:
             return
-        future, tmp, path, checkpoint = pending
+        future, staging, path, checkpoint = pending
         done = getattr(future, "upload_completion", future)  # torch >= 2.12 may return an AsyncSaveResponse
         done.result()
-        self._complete_save(tmp, path, checkpoint)
+        self._complete_save(staging, path, checkpoint)
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         if not dist.is_initialized() or self.world_size == 1:
@@ -550,7 +548,7 @@ class MoEParallelStrategy(ParallelStrategy):
         )
 
         self.finish_pending_save()
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = Path(self.broadcast(str(resolve(checkpoint_path))))  # rank 0's view: one version on every rank
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
@@ -560,7 +558,7 @@ class MoEParallelStrategy(ParallelStrategy):
             import torch.distributed.checkpoint as dcp
 
             verify_dir_checksums(path, self.global_rank, self.world_size, self._all_gather_object)
-            meta = torch.load(path / _META_FILE, weights_only=True, map_location="cpu")
+            meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
             template = get_model_state_dict(self.model)
             saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
             check_shapes({k: tuple(v.shape) for k, v in template.items()},

@@ -19,21 +19,14 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_moe.checkpoint.format import clean_param_name
+
 __all__ = ["check_shapes", "param_names", "is_by_name", "optimizer_state_by_name", "optimizer_state_by_index", "regroup",
            "accept_state_by_name"]
 
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-
-def _clean(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def param_names(module: nn.Module) -> dict[int, str]:
     """``id(parameter) -> name`` for every parameter of ``module`` (wrapper prefixes removed)."""
-    return {id(p): _clean(n) for n, p in module.named_parameters(remove_duplicate=False)}
+    return {id(p): clean_param_name(n) for n, p in module.named_parameters(remove_duplicate=False)}
 
 
 def is_by_name(osd: dict[str, Any]) -> bool:

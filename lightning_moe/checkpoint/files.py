@@ -1,14 +1,14 @@
 """Checkpoint files that survive failures and tell you when they are damaged.
 
 * :class:`SafeCheckpointIO`: Lightning ``CheckpointIO`` for single-file checkpoints. A save writes ``PATH.tmp``,
-  flushes it to disk and renames it over ``PATH``, so an exception or a kill during a save leaves the previous
-  checkpoint complete. A sidecar ``PATH.crc32`` holds the file's CRC32; a load verifies it and names the file when
-  it does not match (random bytes in a checkpoint otherwise load silently). Loads use ``weights_only=True``.
-  ``MoEParallelStrategy`` uses it for its single-file checkpoints; with Lightning's default strategy pass it as
-  ``L.Trainer(plugins=[SafeCheckpointIO()])`` (``lightning-moe fit`` does).
-* Distributed checkpoints (directories) are written under ``PATH.tmp`` and renamed into place by
-  ``MoEParallelStrategy``; :func:`write_dir_checksums` / :func:`verify_dir_checksums` keep a ``checksums.json``
-  manifest of every file, each rank hashing the files it wrote (or, on load, a share of them).
+  flushes it to disk and renames it over ``PATH`` (atomic), so an exception or a kill during a save leaves the
+  previous checkpoint complete. A sidecar ``PATH.crc32`` holds the file's CRC32; a load verifies it and names the
+  file when it does not match (random bytes in a checkpoint otherwise load silently). Loads use
+  ``weights_only=True``. ``MoEParallelStrategy`` uses it for its single-file checkpoints; with Lightning's default
+  strategy pass it as ``L.Trainer(plugins=[SafeCheckpointIO()])`` (``lightning-moe fit`` does).
+* Distributed checkpoints (directories) are published by ``MoEParallelStrategy`` as versions behind a link
+  (:mod:`lightning_moe.checkpoint.publish`); :func:`write_dir_checksums` / :func:`verify_dir_checksums` keep a
+  ``checksums.json`` manifest of every file, each rank hashing the files it wrote (or, on load, a share of them).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from typing import Any, Optional, Union
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-__all__ = ["SafeCheckpointIO", "CorruptCheckpointError", "file_crc32", "write_dir_checksums", "verify_dir_checksums",
-           "CHECKSUMS_FILE"]
+from lightning_moe.checkpoint.format import CHECKSUMS_FILE, CRC_SUFFIX
+from lightning_moe.checkpoint.publish import fsync_dir, prune
 
-CHECKSUMS_FILE = "checksums.json"
+__all__ = ["SafeCheckpointIO", "CorruptCheckpointError", "file_crc32", "write_dir_checksums", "verify_dir_checksums",
+           "save_fsynced"]
+
 _CHUNK = 16 * 2**20
 
 
@@ -41,6 +43,14 @@ def file_crc32(path: Union[str, Path]) -> str:
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
+def save_fsynced(obj: Any, path: Union[str, Path]) -> None:
+    """``torch.save`` that returns once the bytes are on disk."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -51,7 +61,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def _sidecar(path: Path) -> Path:
-    return path.with_name(path.name + ".crc32")
+    return path.with_name(path.name + CRC_SUFFIX)
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -65,18 +75,17 @@ class SafeCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
+            save_fsynced(checkpoint, tmp)
             new = file_crc32(tmp)
             sidecar = _sidecar(path)
             old = [sidecar.read_text().split()[0]] if sidecar.exists() and path.exists() else []
             # the sidecar accepts the old and the new file while the rename happens, then only the new one: a
             # kill at any point leaves a file that matches its sidecar
             _write_text_atomic(sidecar, " ".join([new] + old) + "\n")
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # over a file, or over the link of a directory checkpoint saved here before
+            fsync_dir(path.parent)
             _write_text_atomic(sidecar, new + "\n")
+            prune(path)  # versions of a directory checkpoint this file replaced
         finally:
             if tmp.exists():
                 tmp.unlink()

@@ -1,0 +1,157 @@
+"""Writer side of tests/test_checkpoint_kill.py: saves killed at every filesystem step, in turn.
+
+``python tests/_kill_save.py OUT`` imports torch and Lightning once and then forks one child per run, before any
+process group exists (a forked gloo group has lost its worker threads). Each child initialises its own one-rank
+group, trains the tiny model and saves through ``MoEParallelStrategy``:
+
+* a template child per scenario writes the previous checkpoint (after step 1) into ``OUT/SCENARIO/template``;
+  the sync one also records the full weights after steps 1 and 2 and the losses of steps 1-3;
+* kill child n starts from a copy of the template in ``OUT/SCENARIO/n``, saves after step 2 over the template's
+  checkpoint and SIGKILLs itself just before its n-th filesystem step (``os.mkdir``, ``rename``, ``replace``,
+  ``symlink``, ``unlink``, ``rmdir``, ``fsync`` ..., on any thread) counted from the start of that save; n = 1, 2,
+  ... until a child completes.
+
+Scenarios: ``sync`` and ``async`` (``async_save=True``: written in the background, published at the end of fit) over
+a versioned directory, ``legacy`` (sync, over a plain directory as written before versions existed) and ``file``
+(``save_distributed_checkpoint=False``: one file with its CRC sidecar). ``OUT/manifest.json`` lists the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401  (imported before the forks: children start warm)
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from parallel_harness import GLOBAL_BATCH, FixedData, small_config
+
+from lightning_moe import MoELanguageModel, MoEParallelStrategy
+
+NAME = "ckpt"  # the checkpoint's path in each run's folder
+SCENARIOS = {"sync": {}, "async": {"async_save": True}, "legacy": {},
+             "file": {"save_distributed_checkpoint": False}}
+FS_STEPS = ("mkdir", "rename", "replace", "symlink", "unlink", "remove", "rmdir", "fsync")
+MAX_STEPS = 200  # a save with more steps than this is a bug of its own
+
+
+def arm_kill(n: int) -> None:
+    """SIGKILL this process just before its n-th filesystem step from now on (any thread)."""
+    lock, count = threading.Lock(), [0]
+    for name in FS_STEPS:
+        real = getattr(os, name)
+
+        def step(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            with lock:
+                count[0] += 1
+                if count[0] == n:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return _real(*args, **kwargs)
+
+        setattr(os, name, step)
+
+
+def _full_state(module: Any) -> dict[str, torch.Tensor]:
+    sd = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in sd.items()}
+
+
+class _Run(Callback):
+    def __init__(self, save_at: int, path: Path, kill_at: Optional[int], record: Optional[Path]) -> None:
+        self.save_at, self.path, self.kill_at, self.record = save_at, path, kill_at, record
+        self.losses: list[float] = []
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self.losses.append(float(pl_module.last_step.loss))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.record is not None and trainer.global_step <= 2:
+            self.states[trainer.global_step] = _full_state(pl_module)
+        if trainer.global_step == self.save_at:
+            if self.kill_at is not None:
+                arm_kill(self.kill_at)
+            trainer.save_checkpoint(self.path)  # an async save is published at the end of fit
+
+
+def _child(scenario: str, folder: Path, save_at: int, steps: int, kill_at: Optional[int],
+           record: Optional[Path]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}.store", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = MoELanguageModel(small_config(), lr=1e-2, warmup_steps=1, max_steps=4)
+    run = _Run(save_at, folder / NAME, kill_at, record)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEParallelStrategy(**SCENARIOS[scenario]),
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        use_distributed_sampler=False, callbacks=[run])
+    # one batch an epoch, the same every epoch: a resume anywhere reads what the uninterrupted run read
+    trainer.fit(model, datamodule=FixedData(GLOBAL_BATCH, GLOBAL_BATCH))
+    if record is not None:
+        torch.save({"losses": run.losses, "states": run.states}, record)
+
+
+def _fork(*args: Any) -> str:
+    """Run _child in a forked process: "done", "killed" or raise with the child's traceback."""
+    err = Path(f"{args[1]}.err")
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _child(*args)
+        except BaseException:
+            err.write_text(traceback.format_exc())
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+        return "killed"
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+        return "done"
+    raise RuntimeError(f"child {args} failed ({status}):\n{err.read_text() if err.exists() else ''}")
+
+
+def _to_legacy(template: Path) -> None:
+    """The template's checkpoint as a plain directory at its path, as saves wrote it before versions existed."""
+    version = (template / NAME).resolve()
+    (template / NAME).unlink()
+    shutil.copytree(version, template / NAME)
+    shutil.rmtree(version.parent)
+
+
+def main(out: Path) -> None:
+    manifest: dict[str, Any] = {"record": str(out / "record.pt"), "scenarios": {}}
+    for scenario in SCENARIOS:
+        base = out / scenario
+        template = base / "template"
+        template.mkdir(parents=True)
+        record = out / "record.pt" if scenario == "sync" else None
+        assert _fork(scenario, template, 1, 3, None, record) == "done"
+        if scenario == "legacy":
+            _to_legacy(template)
+        runs = []
+        for n in range(1, MAX_STEPS + 1):
+            folder = base / str(n)
+            shutil.copytree(template, folder, symlinks=True)
+            outcome = _fork(scenario, folder, 2, 2, n, None)
+            runs.append({"n": n, "path": str(folder / NAME), "outcome": outcome})
+            if outcome == "done":
+                break
+        else:
+            raise RuntimeError(f"{scenario}: the save still had filesystem steps left after {MAX_STEPS}")
+        manifest["scenarios"][scenario] = {"template": str(template / NAME), "runs": runs}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
