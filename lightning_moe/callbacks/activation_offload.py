@@ -20,7 +20,8 @@ How (public torch APIs only):
   checkpointing wraps, the offload hooks are innermost: what they offload is not recomputed (offload wins).
   Forwards re-run inside backward are not offloaded.
 
-Without CUDA the copies are plain host copies (the same code path, so CPU tests check exactness).
+Without CUDA the copies are synchronous (a host copy at the forward, a copy of that at the prefetch or use): the
+same steps run, so CPU tests check exactness and the prefetch order.
 
 YAML (``lightning-moe fit``)::
 
@@ -39,7 +40,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_moe.autograd import in_backward
+from lightning_moe.autograd import in_recomputation
 
 __all__ = ["ActivationOffload", "OFFLOAD_MODULES"]
 
@@ -93,7 +94,7 @@ class _Offloaded:
         self.dev: Optional[Tensor] = None
         self.copied = self.ready = None
         if stream is None:
-            self.host = t.detach().clone()  # CPU: a host copy all the same (strides preserved, values exact)
+            self.host = t.detach().clone()  # no side stream (CPU): synchronous copies, through the same steps
             return
         self.host = torch.empty_like(t, device="cpu", pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete on the compute stream
@@ -106,9 +107,12 @@ class _Offloaded:
     def is_copy_of(self, t: Tensor) -> bool:
         return self.src() is t and t._version == self.version
 
-    def load(self, stream: "torch.cuda.Stream") -> None:
-        """Start the host-to-device copy on ``stream`` (no-op when already started)."""
-        if self.dev is not None or self.copied is None:
+    def load(self, stream: Optional["torch.cuda.Stream"]) -> None:
+        """Start the host-to-device copy on ``stream`` (None: copy now; no-op when already started)."""
+        if self.dev is not None:
+            return
+        if self.copied is None:
+            self.dev = self.host.clone()  # a storage of its own, like the device copy
             return
         with torch.cuda.stream(stream):
             stream.wait_event(self.copied)
@@ -117,12 +121,10 @@ class _Offloaded:
             self.ready.record(stream)
 
     def get(self) -> Tensor:
-        if self.copied is None:
-            return self.host
-        cur = torch.cuda.current_stream(self.device)
-        if self.dev is None:
-            self.load(cur)
-        else:
+        if self.dev is None:  # not prefetched: copy on the compute stream, in order with its use
+            self.load(torch.cuda.current_stream(self.device) if self.copied is not None else None)
+        elif self.ready is not None:
+            cur = torch.cuda.current_stream(self.device)
             cur.wait_event(self.ready)
             self.dev.record_stream(cur)  # allocated on the side stream, used (and freed) on this one
         return self.dev
@@ -159,9 +161,7 @@ class _Group:
             if group is None:
                 continue
             for h in list(group.saved.values()):
-                stream = self.offloader.stream(h.device)
-                if stream is not None:
-                    h.load(stream)
+                h.load(self.offloader.stream(h.device))
 
 
 class _Offloader:
@@ -183,7 +183,7 @@ class _Offloader:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        if in_backward():
+        if in_recomputation():
             # a forward re-run by full activation checkpointing: the hooks still claim the saved tensors (pack lets
             # them stay), so the checkpoint sees the same saved tensors as in the original forward
             with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_moe.autograd import in_backward
+from lightning_moe.autograd import in_recomputation
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.dispatcher import LocalDispatcher, TokenDispatcher
 from lightning_moe.moe.router import RoutingResult
@@ -206,7 +206,7 @@ class MoELayer(nn.Module):
                             zero_f, zero_f)
 
     def _record(self, routing: RoutingResult, valid_T: Optional[Tensor], T: int, device: torch.device) -> None:
-        if in_backward():
+        if in_recomputation():
             # activation-checkpoint recomputation: the losses were already taken from the original forward
             return
         self.last_aux_loss = routing.aux_loss

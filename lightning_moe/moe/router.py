@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree
 from torch import Tensor, nn
 
-from lightning_moe.autograd import in_backward
+from lightning_moe.autograd import in_recomputation
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.losses import (
     aux_loss_scores,
@@ -282,7 +282,7 @@ class TopKRouter(nn.Module):
             probs_TK = probs_TK * cfg.scaling_factor
 
         # expert-bias demand counts (training only; not again under checkpoint recomputation)
-        if self.bias_counts is not None and self.training and not in_backward():
+        if self.bias_counts is not None and self.training and not in_recomputation():
             with torch.no_grad():
                 self.bias_counts.add_(expert_counts(ids_TK, E, valid_T).to(self.bias_counts.device))
 
