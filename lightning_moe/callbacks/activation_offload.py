@@ -84,13 +84,19 @@ def _keep(t: Any) -> Any:
     return t
 
 
+def _owner(t: Tensor) -> Tensor:
+    """The tensor whose memory ``t`` shows: its base for a view (a linear's flattened input and the RoPE tables'
+    slices are views made anew at each use), else ``t``."""
+    return t if t._base is None else t._base
+
+
 class _Offloaded:
     """One saved tensor's host copy (and its device copy once brought back)."""
 
     __slots__ = ("host", "device", "copied", "dev", "ready", "src", "version", "__weakref__")
 
     def __init__(self, t: Tensor, stream: Optional["torch.cuda.Stream"]) -> None:
-        self.device, self.src, self.version = t.device, weakref.ref(t), t._version
+        self.device, self.src, self.version = t.device, weakref.ref(_owner(t)), t._version
         self.dev: Optional[Tensor] = None
         self.copied = self.ready = None
         if stream is None:
@@ -105,7 +111,9 @@ class _Offloaded:
         t.record_stream(stream)  # its memory is not reused before the copy has read it
 
     def is_copy_of(self, t: Tensor) -> bool:
-        return self.src() is t and t._version == self.version
+        """``t`` (same address, shape, strides and dtype: the caller's key) shows the data copied: the tensor that
+        owns it is the one still alive (so the address was not reused) and unchanged since."""
+        return self.src() is _owner(t) and t._version == self.version
 
     def load(self, stream: Optional["torch.cuda.Stream"]) -> None:
         """Start the host-to-device copy on ``stream`` (None: copy now; no-op when already started)."""
@@ -136,8 +144,11 @@ class _Group:
     def __init__(self, offloader: "_Offloader", prev: Optional["_Group"]) -> None:
         self.offloader = offloader
         self.prev = weakref.ref(prev) if prev is not None else None
-        # weak: autograd's saved-tensor slots own the copies, so each is freed once its node has run
+        # weak: autograd's saved-tensor slots own the copies, so each is freed once its node has run. ``saved`` finds
+        # a tensor saved again; ``copies`` keeps every copy for the prefetch, also one whose key a later tensor took
+        # (an address reused after a free, or a view of the same data made anew)
         self.saved: "weakref.WeakValueDictionary[tuple, _Offloaded]" = weakref.WeakValueDictionary()
+        self.copies: "weakref.WeakSet[_Offloaded]" = weakref.WeakSet()
 
     def pack(self, t: Tensor) -> Any:
         o = self.offloader
@@ -147,6 +158,7 @@ class _Group:
         h = self.saved.get(key)
         if h is None or not h.is_copy_of(t):
             h = self.saved[key] = _Offloaded(t, o.stream(t.device))
+            self.copies.add(h)
         return h
 
     @staticmethod
@@ -160,7 +172,7 @@ class _Group:
         for group in (self, prev):
             if group is None:
                 continue
-            for h in list(group.saved.values()):
+            for h in list(group.copies):
                 h.load(self.offloader.stream(h.device))
 
 
