@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_moe.autograd import in_recomputation
 from lightning_moe.config import MoEConfig
+from lightning_moe.models import registry
 from lightning_moe.moe.losses import (
     aux_loss_scores,
     expert_bias_update,
@@ -133,6 +134,7 @@ def capacity_keep_mask(
 # ---- the router --------------------------------------------------------------------------------------
 
 
+@registry.register("router", "topk")
 class TopKRouter(nn.Module):
     """fp32 gate ``logits = x W^T`` (W: [E, D]) followed by top-k routing and the router losses.
 
