@@ -1,13 +1,15 @@
-"""Small autograd helpers shared by the MoE layer, the experts and context parallelism."""
+"""Small autograd helpers shared by the MoE layer, the experts, context parallelism and recomputation."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = ["contiguous_grad", "contiguous_grad_", "in_backward"]
+__all__ = ["contiguous_grad", "contiguous_grad_", "in_recomputation", "recompute_context"]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -35,8 +37,32 @@ def contiguous_grad_(x: Tensor) -> Tensor:
     return x
 
 
-def in_backward() -> bool:
-    """True while the autograd engine runs (e.g. activation-checkpoint recomputation of the forward): state that
-    counts forwards (expert-bias demand, routing statistics) must not count such a re-run again."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
+_recomputing = threading.local()  # the autograd engine re-runs a forward on its own thread (one per device)
+
+
+def in_recomputation() -> bool:
+    """True while a checkpoint built with :func:`recompute_context` re-runs its forward for the backward: state
+    that counts forwards (expert-bias demand, routing statistics, offload scopes) must not count such a re-run."""
+    return getattr(_recomputing, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _replaying(default_dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    _recomputing.depth = getattr(_recomputing, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _recomputing.depth -= 1
+        torch.set_default_dtype(old)
+
+
+def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant), called at the forward: the re-run
+    marks itself (:func:`in_recomputation`) and runs under the forward's default dtype. Lightning's ``bf16-true``
+    sets that dtype only around ``training_step``, and checkpoint does not restore it: the recomputation (in the
+    backward) would make in fp32 what the forward made in bf16, e.g. the empty input-saver tensor of a nested
+    checkpoint (torch 2.11; 2.13 has none), which the outer checkpoint then rejects ("Recomputed values for the
+    following tensors have different metadata")."""
+    return contextlib.nullcontext(), _replaying(torch.get_default_dtype())

@@ -34,16 +34,6 @@ class YaRNScaling:
             raise ValueError("rope_scaling.original_max_position_embeddings must be positive")
 
 
-def _check_components(*pairs: tuple[str, str], prefix: str = "") -> None:
-    from lightning_moe.models.registry import names  # lazily: the registry imports the model modules
-
-    for kind, name in pairs:
-        known = names(kind)
-        if name not in known:
-            raise ValueError(f"{prefix}{kind}={name!r} is not a registered {kind}; choose one of {known} or "
-                             "register your own with lightning_moe.models.registry.register")
-
-
 @dataclass
 class MoEConfig:
     """Routed-expert configuration; semantics follow Megatron-Core's moe_utils.
@@ -75,7 +65,8 @@ class MoEConfig:
     dense_layers: further decoder layers (indices) that use a dense MLP instead of routed experts, in addition to
         the first ``first_k_dense`` (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``); None = none.
     force_balance: benchmark mode: ignore the router's choice and assign tokens round-robin.
-    router / experts / shared_experts: registered component names (``lightning_moe.models.registry``).
+    router / experts / shared_experts: registered component names (``lightning_moe.models.registry``), checked where
+        the model is built.
     """
 
     num_experts: int = 8
@@ -111,8 +102,6 @@ class MoEConfig:
         E, k = self.num_experts, self.top_k
         if E < 0:
             raise ValueError(f"moe.num_experts must be >= 0 (0 = dense model), got {E}")
-        _check_components(("router", self.router), ("experts", self.experts),
-                           ("shared_experts", self.shared_experts), prefix="moe.")
         if E == 0:
             return
         if k < 1:
@@ -217,7 +206,6 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        _check_components(("attention", self.attention), ("mlp", self.mlp))
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
         if self.attention != "mla":
@@ -471,7 +459,8 @@ def _type_name(tp: Any) -> str:
 
 def _check_value(value: Any, tp: Any, key: str) -> Any:
     """``value`` checked against the field type ``tp`` (ints are accepted for floats); raises ValueError naming the
-    key and what is allowed."""
+    key and what is allowed. Ours, not jsonargparse's: ``from_preset`` / ``from_dict`` overrides and the mapping
+    under ``model.config`` (typed as a preset name or a dict there) reach the dataclasses without it."""
     origin = typing.get_origin(tp)
     ok = False
     if origin is Union:

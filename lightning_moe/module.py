@@ -37,7 +37,7 @@ from lightning_moe.checkpoint.loop_state import start_next_epoch
 from lightning_moe.checkpoint.optimizer_state import accept_state_by_name, optimizer_state_by_name
 from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.lm_loss import IGNORE_INDEX, LOSS_IMPLS
-from lightning_moe.models.transformer import MoETransformer
+from lightning_moe.models.transformer import MoETransformer, check_components
 from lightning_moe.optim import AdamW
 from lightning_moe.parallel.finalize import StepResult, StepTotals, finalize_module_step, finalizing_closure
 from lightning_moe.strategies import MoEParallelStrategy
@@ -132,6 +132,7 @@ class MoELanguageModel(L.LightningModule):
             if config is None:
                 config = config_from_hf(hf)
         self.config = _resolve_config("tiny" if config is None else config)
+        check_components(self.config)  # a misspelt component fails here, before the Trainer starts
         if pretrained is not None:
             from lightning_moe.models.hf import _config_differences, config_from_hf
 

@@ -3,7 +3,8 @@ an MLA variant) and one forward/backward that returns every gradient, the routin
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -50,15 +51,17 @@ def full_grad(p: torch.Tensor) -> torch.Tensor:
 
 
 def step(model: nn.Module, ids: torch.Tensor, before_backward: Optional[Callable[[], Any]] = None,
-         steps: int = 1) -> dict[str, Any]:
+         steps: int = 1, forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> dict[str, Any]:
     """``steps`` forward/backward passes (gradients accumulate): every parameter's (full) gradient, the routing
-    statistics popped once at the end and the loss values."""
+    statistics popped once at the end and the loss values. ``forward_context``: entered around each forward only,
+    as Lightning's precision plugin does around ``training_step``."""
     w = torch.linspace(-1, 1, model.config.vocab_size)
     losses = []
     for _ in range(steps):
-        logits = model(ids)
-        aux, z = model.moe_losses()
-        loss = (logits.float() * w).mean() + aux + z
+        with forward_context():
+            logits = model(ids)
+            aux, z = model.moe_losses()
+            loss = (logits.float() * w).mean() + aux + z
         if before_backward is not None:
             before_backward()
         loss.backward()

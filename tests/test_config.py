@@ -135,7 +135,6 @@ def test_valid_moe_edge_cases():
         (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),  # num_heads % num_kv_heads
         (dict(num_kv_heads=0), "num_kv_heads"),
         (dict(moe={"first_k_dense": 5}), "first_k_dense"),  # > num_layers (4)
-        (dict(attention="sparse"), "attention"),
         (dict(qk_norm="layer"), "qk_norm"),
         (dict(head_dim=31), "head_dim"),  # odd head dim for RoPE
         (dict(hidden_size=0), "hidden_size"),
@@ -153,6 +152,23 @@ def test_valid_moe_edge_cases():
 def test_invalid_model_config(kw, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_preset("tiny", **kw)
+
+
+def test_unregistered_component_names_fail_where_the_model_is_built():
+    """The config holds names only (config.py imports no model code); the model and the LightningModule check them
+    against the registry, naming the field, the closest name and the registered ones."""
+    from lightning_moe import MoELanguageModel
+    from lightning_moe.models.transformer import MoETransformer
+
+    for kw, match in [(dict(attention="sparse"), r"attention='sparse' is not a registered attention.*gqa, mla"),
+                      (dict(mlp="gelu"), "mlp='gelu' is not a registered mlp"),
+                      (dict(moe={"router": "topk2"}), r"moe.router='topk2' is not a registered router \(did you mean"),
+                      (dict(moe={"shared_experts": "x"}), "moe.shared_experts='x'")]:
+        cfg = ModelConfig.from_preset("tiny", **kw)  # names are not the config's to know
+        with pytest.raises(ValueError, match=match):
+            MoELanguageModel(cfg)
+        with pytest.raises(ValueError, match=match):
+            MoETransformer(cfg)
 
 
 def test_invalid_yarn():

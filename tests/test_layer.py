@@ -266,11 +266,14 @@ def test_bad_input():
 
 
 def test_checkpoint_recompute_keeps_last_losses():
+    """A user's own checkpoint passes lightning_moe's recompute_context (as apply_ac does): the re-run marks itself."""
     from torch.utils.checkpoint import checkpoint
+
+    from lightning_moe.autograd import recompute_context
 
     layer = _layer(**dict(SOFTMAX, z_loss_coeff=1e-3))
     x = torch.randn(B, S, D, requires_grad=True)
-    y = checkpoint(layer, x, use_reentrant=False)
+    y = checkpoint(layer, x, use_reentrant=False, context_fn=recompute_context)
     aux, z, stats = layer.last_aux_loss, layer.last_z_loss, layer.last_stats
     (y.sum() + aux + z).backward()  # recomputes the forward inside backward
     assert layer.last_aux_loss is aux and layer.last_z_loss is z and layer.last_stats is stats

@@ -299,8 +299,8 @@ def test_component_registry_chooses_classes_from_config():
     assert all(isinstance(layer.experts, CountingExperts) for layer in module.model.moe_layers())
     module(torch.randint(0, 200, (2, 8)))
     assert CountingExperts.calls == len(module.model.moe_layers())
-    with pytest.raises(ValueError, match="not a registered experts.*grouped_mm"):
-        small_config(experts="gruoped_mm")
+    with pytest.raises(ValueError, match="moe.experts='gruoped_mm' is not a registered experts.*grouped_mm"):
+        MoELanguageModel(small_config(experts="gruoped_mm"))
     with pytest.raises(ValueError, match="did you mean 'grouped_mm'"):
         registry.build("experts", "gruoped_mm", 4, 8, 8)
     # the loop reference is registered too and gives the same output as the grouped GEMM

@@ -1,6 +1,7 @@
 """Selective recomputation (activation_checkpointing=[kinds]) and ActivationOffload: gradients identical to the plain
-run, in one process, under W=2 ep=2 (FSDP2 over 2 ranks, experts split over ep) and W=2 tp=2 ep=2; routing statistics counted once;
-bad settings raise ValueError."""
+run, in one process (fp32, and every accepted combination under bf16-true's forward context), under W=2 ep=2 (FSDP2
+over 2 ranks, experts split over ep) and W=2 tp=2 ep=2; routing statistics counted once; bad settings raise
+ValueError."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from lightning.pytorch.plugins.precision import HalfPrecision
+
 from _memory import assert_same, gqa_config, mla_config, reference_model, step, tokens
+from lightning_moe.autograd import in_recomputation
 from lightning_moe.callbacks import ActivationOffload
+from lightning_moe.callbacks.activation_offload import OFFLOAD_MODULES
 from lightning_moe.parallel.layout import RECOMPUTE_KINDS, parse_activation_checkpointing
 from lightning_moe.parallel.parallelize import apply_ac
 
@@ -19,12 +24,18 @@ COMPOSED = ["norm", "moe_act", "attn_core"]
 VARIANTS = [[k] for k in RECOMPUTE_KINDS] + [["full"], ["full", *COMPOSED], list(RECOMPUTE_KINDS)]
 
 
-def _run(cfg, kinds, offload=None, ids=None, steps=1):
+def _run(cfg, kinds, offload=None, ids=None, steps=1, num_layers=None, bf16=False):
+    """One step of a copy of the reference model; ``bf16``: the model in bf16, its forward under Lightning's
+    ``bf16-true`` forward context (default dtype bf16 there, fp32 in the backward), as on the GPU."""
     model = copy.deepcopy(reference_model(cfg))
+    if bf16:
+        model.to(torch.bfloat16)
     if offload is not None:
         ActivationOffload(offload, min_bytes=0).transform_model(model)  # a model transform: before parallelize
-    apply_ac(model, kinds)
-    return step(model, tokens(cfg) if ids is None else ids, steps=steps)
+    apply_ac(model, kinds, num_layers=num_layers)
+    ids = tokens(cfg) if ids is None else ids
+    return step(model, ids, steps=steps, **({"forward_context": HalfPrecision("bf16-true").forward_context} if bf16
+                                           else {}))
 
 
 @pytest.mark.parametrize("cfg_fn", [gqa_config, mla_config], ids=["gqa", "mla"])
@@ -33,6 +44,79 @@ def test_each_recompute_kind_gives_identical_gradients(cfg_fn):
     base = _run(cfg, "none")
     for kinds in VARIANTS:
         assert_same(_run(cfg, kinds), base)
+
+
+# Every combination the API accepts: none, full, full@n, each kind, all kinds, full(@n) + kinds; each with no offload,
+# each offload kind alone, and all of them.
+AC_SETTINGS = [("none", None), ("full", None), ("full", 1), *[([k], None) for k in RECOMPUTE_KINDS],
+               (list(RECOMPUTE_KINDS), None), (["full", *COMPOSED], None), (["full", *COMPOSED], 2),
+               (["full", *RECOMPUTE_KINDS], 1)]
+OFFLOADS = [None, *[[m] for m in OFFLOAD_MODULES], list(OFFLOAD_MODULES)]
+_BF16_BASE: dict = {}
+
+
+@pytest.mark.parametrize("offload", OFFLOADS, ids=lambda o: "+".join(o) if o else "no_offload")
+@pytest.mark.parametrize("ac", AC_SETTINGS, ids=lambda a: "+".join([a[0]] if isinstance(a[0], str) else a[0])
+                         + (f"@{a[1]}" if a[1] else ""))
+@pytest.mark.parametrize("cfg_fn", [gqa_config, mla_config], ids=["gqa", "mla"])
+def test_every_accepted_combination_matches_no_option_under_bf16_true(cfg_fn, ac, offload):
+    """The GPU's precision on CPU: bf16 weights, the forward under bf16-true's default dtype, the backward (and so
+    every recomputation) outside it. Losses, gradients and routing statistics bit-equal to no option."""
+    cfg = cfg_fn()
+    if cfg_fn not in _BF16_BASE:
+        _BF16_BASE[cfg_fn] = _run(cfg, "none", bf16=True)
+    kinds, n = ac
+    assert_same(_run(cfg, kinds, offload, num_layers=n, bf16=True), _BF16_BASE[cfg_fn])
+
+
+class _SavesEmpty(torch.autograd.Function):
+    """Identity on ``x`` that saves ``empty`` for its backward: what torch 2.11's checkpoint does with its input saver."""
+
+    @staticmethod
+    def forward(ctx, empty, x):
+        ctx.save_for_backward(empty)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (empty,) = ctx.saved_tensors
+        return torch.zeros_like(empty), grad
+
+
+def test_recomputation_replays_the_forward_default_dtype_and_marks_itself():
+    """A tensor the forward creates in the default dtype and saves (as torch 2.11's nested checkpoint does with its
+    empty input saver, which made full + norm fail on the GPU under bf16-true) is recreated alike when blocks and
+    their nested regions are recomputed in the backward, where Lightning's forward context no longer holds; the
+    re-runs, and only they, see in_recomputation()."""
+    cfg = gqa_config()
+    seen = []
+
+    def with_default_dtype_tensor(model):
+        for block in model.layers.values():
+            norm = block.attention_norm.forward
+
+            def forward(x, norm=norm):
+                seen.append((torch.get_default_dtype(), in_recomputation()))
+                return _SavesEmpty.apply(torch.empty(0, requires_grad=True), norm(x))
+            block.attention_norm.forward = forward
+        return model
+
+    def run(kinds):
+        model = with_default_dtype_tensor(copy.deepcopy(reference_model(cfg)).to(torch.bfloat16))
+        apply_ac(model, kinds)
+        return step(model, tokens(cfg), forward_context=HalfPrecision("bf16-true").forward_context)
+
+    base = run("none")
+    assert seen == [(torch.bfloat16, False)] * cfg.num_layers
+    for kinds in (["full"], ["norm"], ["full", "norm"]):
+        seen.clear()
+        assert_same(run(kinds), base)
+        forwards = [s for s in seen if not s[1]]
+        assert forwards == [(torch.bfloat16, False)] * cfg.num_layers, kinds
+        # re-runs: one per block and region (full + norm: the block's, then the nested norm's own)
+        assert len(seen) - len(forwards) == cfg.num_layers * len(kinds), (kinds, seen)
+        assert {s[0] for s in seen} == {torch.bfloat16}, (kinds, seen)
+    assert not in_recomputation()
 
 
 def test_recompute_keeps_state_dict_keys_and_wraps_seams():

@@ -20,7 +20,8 @@ How (public torch APIs only):
   checkpointing wraps, the offload hooks are innermost: what they offload is not recomputed (offload wins).
   Forwards re-run inside backward are not offloaded.
 
-Without CUDA the copies are plain host copies (the same code path, so CPU tests check exactness).
+Without CUDA the copies are synchronous (a host copy at the forward, a copy of that at the prefetch or use): the
+same steps run, so CPU tests check exactness and the prefetch order.
 
 YAML (``lightning-moe fit``)::
 
@@ -39,7 +40,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_moe.autograd import in_backward
+from lightning_moe.autograd import in_recomputation
 
 __all__ = ["ActivationOffload", "OFFLOAD_MODULES"]
 
@@ -83,17 +84,23 @@ def _keep(t: Any) -> Any:
     return t
 
 
+def _owner(t: Tensor) -> Tensor:
+    """The tensor whose memory ``t`` shows: its base for a view (a linear's flattened input and the RoPE tables'
+    slices are views made anew at each use), else ``t``."""
+    return t if t._base is None else t._base
+
+
 class _Offloaded:
     """One saved tensor's host copy (and its device copy once brought back)."""
 
     __slots__ = ("host", "device", "copied", "dev", "ready", "src", "version", "__weakref__")
 
     def __init__(self, t: Tensor, stream: Optional["torch.cuda.Stream"]) -> None:
-        self.device, self.src, self.version = t.device, weakref.ref(t), t._version
+        self.device, self.src, self.version = t.device, weakref.ref(_owner(t)), t._version
         self.dev: Optional[Tensor] = None
         self.copied = self.ready = None
         if stream is None:
-            self.host = t.detach().clone()  # CPU: a host copy all the same (strides preserved, values exact)
+            self.host = t.detach().clone()  # no side stream (CPU): synchronous copies, through the same steps
             return
         self.host = torch.empty_like(t, device="cpu", pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete on the compute stream
@@ -104,11 +111,16 @@ class _Offloaded:
         t.record_stream(stream)  # its memory is not reused before the copy has read it
 
     def is_copy_of(self, t: Tensor) -> bool:
-        return self.src() is t and t._version == self.version
+        """``t`` (same address, shape, strides and dtype: the caller's key) shows the data copied: the tensor that
+        owns it is the one still alive (so the address was not reused) and unchanged since."""
+        return self.src() is _owner(t) and t._version == self.version
 
-    def load(self, stream: "torch.cuda.Stream") -> None:
-        """Start the host-to-device copy on ``stream`` (no-op when already started)."""
-        if self.dev is not None or self.copied is None:
+    def load(self, stream: Optional["torch.cuda.Stream"]) -> None:
+        """Start the host-to-device copy on ``stream`` (None: copy now; no-op when already started)."""
+        if self.dev is not None:
+            return
+        if self.copied is None:
+            self.dev = self.host.clone()  # a storage of its own, like the device copy
             return
         with torch.cuda.stream(stream):
             stream.wait_event(self.copied)
@@ -117,12 +129,10 @@ class _Offloaded:
             self.ready.record(stream)
 
     def get(self) -> Tensor:
-        if self.copied is None:
-            return self.host
-        cur = torch.cuda.current_stream(self.device)
-        if self.dev is None:
-            self.load(cur)
-        else:
+        if self.dev is None:  # not prefetched: copy on the compute stream, in order with its use
+            self.load(torch.cuda.current_stream(self.device) if self.copied is not None else None)
+        elif self.ready is not None:
+            cur = torch.cuda.current_stream(self.device)
             cur.wait_event(self.ready)
             self.dev.record_stream(cur)  # allocated on the side stream, used (and freed) on this one
         return self.dev
@@ -134,8 +144,11 @@ class _Group:
     def __init__(self, offloader: "_Offloader", prev: Optional["_Group"]) -> None:
         self.offloader = offloader
         self.prev = weakref.ref(prev) if prev is not None else None
-        # weak: autograd's saved-tensor slots own the copies, so each is freed once its node has run
+        # weak: autograd's saved-tensor slots own the copies, so each is freed once its node has run. ``saved`` finds
+        # a tensor saved again; ``copies`` keeps every copy for the prefetch, also one whose key a later tensor took
+        # (an address reused after a free, or a view of the same data made anew)
         self.saved: "weakref.WeakValueDictionary[tuple, _Offloaded]" = weakref.WeakValueDictionary()
+        self.copies: "weakref.WeakSet[_Offloaded]" = weakref.WeakSet()
 
     def pack(self, t: Tensor) -> Any:
         o = self.offloader
@@ -145,6 +158,7 @@ class _Group:
         h = self.saved.get(key)
         if h is None or not h.is_copy_of(t):
             h = self.saved[key] = _Offloaded(t, o.stream(t.device))
+            self.copies.add(h)
         return h
 
     @staticmethod
@@ -158,10 +172,8 @@ class _Group:
         for group in (self, prev):
             if group is None:
                 continue
-            for h in list(group.saved.values()):
-                stream = self.offloader.stream(h.device)
-                if stream is not None:
-                    h.load(stream)
+            for h in list(group.copies):
+                h.load(self.offloader.stream(h.device))
 
 
 class _Offloader:
@@ -183,7 +195,7 @@ class _Offloader:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        if in_backward():
+        if in_recomputation():
             # a forward re-run by full activation checkpointing: the hooks still claim the saved tensors (pack lets
             # them stay), so the checkpoint sees the same saved tensors as in the original forward
             with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):

@@ -14,10 +14,14 @@ kind                config field                    built with
 ==================  ==============================  =========================================================
 
 Register your own before building the model (``register("experts", "my_fp8", MyExperts)``), then name it in the
-config. Parallelisation (``lightning_moe.parallel.parallelize``) relies on the parameter names of the built-in
+config; the model checks the names it builds (:func:`check`, also run by ``MoELanguageModel`` at construction).
+Parallelisation (``lightning_moe.parallel.parallelize``) relies on the parameter names of the built-in
 classes (``wq``/``wk``/``wv``/``wo``, ``w1``/``w2``/``w3``, ``weight``): a replacement that keeps them (e.g. a
 subclass) works under every layout. Transforms that wrap or swap modules of a built model belong to the build
 pipeline instead (:func:`lightning_moe.build.build_model`).
+
+A leaf: it imports no model module. The built-in components register themselves where they are defined
+(``models/transformer.py``, ``moe/router.py``, ``moe/experts.py``), which the modules that build them import.
 """
 
 from __future__ import annotations
@@ -27,38 +31,15 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-__all__ = ["KINDS", "register", "build", "names"]
+__all__ = ["KINDS", "register", "build", "check", "names"]
 
 KINDS = ("attention", "mlp", "router", "experts", "shared_experts")
 _REGISTRY: dict[str, dict[str, Callable[..., nn.Module]]] = {kind: {} for kind in KINDS}
-_defaults_loaded = False
-
-
-def _load_defaults() -> None:
-    global _defaults_loaded
-    if _defaults_loaded:
-        return
-    _defaults_loaded = True
-    # imported here: the model modules build through this registry
-    from lightning_moe.models.transformer import Attention, FeedForward, MLAttention
-    from lightning_moe.moe.experts import GroupedExperts, SharedExperts
-    from lightning_moe.moe.router import TopKRouter
-
-    def loop_experts(*args: Any, **kwargs: Any) -> nn.Module:
-        return GroupedExperts(*args, use_grouped_mm=False, **kwargs)
-
-    for kind, name, factory in (
-        ("attention", "gqa", Attention), ("attention", "mla", MLAttention), ("mlp", "swiglu", FeedForward),
-        ("router", "topk", TopKRouter), ("experts", "grouped_mm", GroupedExperts), ("experts", "loop", loop_experts),
-        ("shared_experts", "swiglu", SharedExperts),
-    ):
-        _REGISTRY[kind].setdefault(name, factory)
 
 
 def _check_kind(kind: str) -> dict[str, Callable[..., nn.Module]]:
     if kind not in _REGISTRY:
         raise ValueError(f"unknown component kind {kind!r}; known kinds: {', '.join(KINDS)}")
-    _load_defaults()
     return _REGISTRY[kind]
 
 
@@ -80,12 +61,17 @@ def names(kind: str) -> list[str]:
     return sorted(_check_kind(kind))
 
 
-def build(kind: str, name: str, *args: Any, **kwargs: Any) -> nn.Module:
-    """Instantiate component ``name`` of ``kind``; an unknown name is a ValueError listing the registered ones."""
+def check(kind: str, name: str, field: Optional[str] = None) -> None:
+    """ValueError unless ``name`` is a registered ``kind``; ``field``: the config field that named it."""
     table = _check_kind(kind)
     if name not in table:
         close = difflib.get_close_matches(str(name), list(table), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown {kind} {name!r}{hint}; registered: {', '.join(sorted(table))} "
-                         f"(add your own with lightning_moe.models.registry.register)")
-    return table[name](*args, **kwargs)
+        raise ValueError(f"{field or kind}={name!r} is not a registered {kind}{hint}; registered: "
+                         f"{', '.join(sorted(table))} (add your own with lightning_moe.models.registry.register)")
+
+
+def build(kind: str, name: str, *args: Any, **kwargs: Any) -> nn.Module:
+    """Instantiate component ``name`` of ``kind``; an unknown name is a ValueError listing the registered ones."""
+    check(kind, name)
+    return _REGISTRY[kind][name](*args, **kwargs)

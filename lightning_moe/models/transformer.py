@@ -253,6 +253,7 @@ def _linear(in_dim: int, out_dim: int) -> nn.Linear:
     return nn.Linear(in_dim, out_dim, bias=False)
 
 
+@registry.register("attention", "gqa")
 class Attention(nn.Module):
     """Grouped-query attention with optional qk-norm ("head": per-head RMSNorm as in Qwen3; "full": over all
     heads as in OLMoE)."""
@@ -300,6 +301,7 @@ class Attention(nn.Module):
         return self.wo(o_BHSK.transpose(1, 2).reshape(B, S, -1))
 
 
+@registry.register("attention", "mla")
 class MLAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value compression, a decoupled
     shared RoPE key."""
@@ -380,6 +382,7 @@ class MLAttention(nn.Module):
         return self.wo(o_BSHV.reshape(B, S, -1))
 
 
+@registry.register("mlp", "swiglu")
 class FeedForward(nn.Module):
     """Dense SwiGLU MLP."""
 
@@ -421,12 +424,23 @@ class TransformerBlock(nn.Module):
         return h + out
 
 
+def check_components(cfg: ModelConfig) -> None:
+    """ValueError naming the field and the registered choices for a component name of ``cfg`` that no module
+    registered (checked here, where the components are built: the registry knows names, the config does not)."""
+    moe = cfg.moe
+    for kind, field, name in (("attention", "attention", cfg.attention), ("mlp", "mlp", cfg.mlp),
+                              ("router", "moe.router", moe.router), ("experts", "moe.experts", moe.experts),
+                              ("shared_experts", "moe.shared_experts", moe.shared_experts)):
+        registry.check(kind, name, field)
+
+
 class MoETransformer(nn.Module):
     """Decoder LM. ``forward(input_ids_BS, attention_mask_BS=None) -> logits_BSV`` (in the activation dtype).
     Aux and z losses of the MoE layers of the last forward are summed by ``moe_losses()``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        check_components(cfg)
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # a dict keyed by layer index keeps FQNs stable when parallelize wraps or removes layers

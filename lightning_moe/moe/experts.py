@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.autograd import contiguous_grad_
+from lightning_moe.models import registry
 from lightning_moe.moe import kernels
 from lightning_moe.moe.kernels import swiglu
 from lightning_moe.moe.kernels import swiglu_reference as _swiglu_ref
@@ -56,6 +57,7 @@ def _compute_dtype(x: Tensor, w: Tensor) -> torch.dtype:
     return w.dtype
 
 
+@registry.register("experts", "grouped_mm")
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: ``y = w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`` for the rows of local expert e.
 
@@ -234,6 +236,13 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs, dim=0)
 
 
+
+@registry.register("experts", "loop")
+def loop_experts(*args, **kwargs) -> GroupedExperts:
+    """The per-expert loop reference of :class:`GroupedExperts` (no grouped GEMM)."""
+    return GroupedExperts(*args, use_grouped_mm=False, **kwargs)
+
+
 class _GatherGateUp(torch.autograd.Function):
     """``x_RD = x_TD[asg_R // k]``, then the gate and up grouped GEMMs; the backward gathers x_RD again (one gather of
     R rows, instead of keeping R x D from the forward) for the weight gradients, and sums both GEMMs' input gradients
@@ -279,6 +288,7 @@ class _Linear(nn.Linear):
             nn.init.zeros_(self.bias)
 
 
+@registry.register("shared_experts", "swiglu")
 class SharedExperts(nn.Module):
     """Dense SwiGLU MLP seen by every token: ``w2(silu(w1 x) * w3 x)``, times ``sigmoid(gate(x))`` when gated
     (Qwen2-MoE). Weights: ``w1.weight`` [F, D], ``w3.weight`` [F, D], ``w2.weight`` [D, F], ``gate.weight`` [1, D]."""

@@ -15,8 +15,10 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_moe.autograd import in_backward
+from lightning_moe.autograd import in_recomputation
 from lightning_moe.config import MoEConfig
+from lightning_moe.models.registry import build
+from lightning_moe.moe import experts as _experts  # noqa: F401  (registers the built-in experts this layer builds)
 from lightning_moe.moe.dispatcher import LocalDispatcher, TokenDispatcher
 from lightning_moe.moe.router import RoutingResult
 
@@ -110,8 +112,6 @@ class MoELayer(nn.Module):
         super().__init__()
         if config.num_experts <= 0:
             raise ValueError("MoELayer needs moe.num_experts > 0 (num_experts=0 means a dense MLP layer)")
-        from lightning_moe.models.registry import build  # lazily: the registry imports this module
-
         self.config = config
         self.hidden_size = hidden_size
         self.num_experts = config.num_experts
@@ -206,7 +206,7 @@ class MoELayer(nn.Module):
                             zero_f, zero_f)
 
     def _record(self, routing: RoutingResult, valid_T: Optional[Tensor], T: int, device: torch.device) -> None:
-        if in_backward():
+        if in_recomputation():
             # activation-checkpoint recomputation: the losses were already taken from the original forward
             return
         self.last_aux_loss = routing.aux_loss

@@ -16,8 +16,9 @@ import torch
 import torch.utils._pytree
 from torch import Tensor, nn
 
-from lightning_moe.autograd import in_backward
+from lightning_moe.autograd import in_recomputation
 from lightning_moe.config import MoEConfig
+from lightning_moe.models import registry
 from lightning_moe.moe.losses import (
     aux_loss_scores,
     expert_bias_update,
@@ -133,6 +134,7 @@ def capacity_keep_mask(
 # ---- the router --------------------------------------------------------------------------------------
 
 
+@registry.register("router", "topk")
 class TopKRouter(nn.Module):
     """fp32 gate ``logits = x W^T`` (W: [E, D]) followed by top-k routing and the router losses.
 
@@ -282,7 +284,7 @@ class TopKRouter(nn.Module):
             probs_TK = probs_TK * cfg.scaling_factor
 
         # expert-bias demand counts (training only; not again under checkpoint recomputation)
-        if self.bias_counts is not None and self.training and not in_backward():
+        if self.bias_counts is not None and self.training and not in_recomputation():
             with torch.no_grad():
                 self.bias_counts.add_(expert_counts(ids_TK, E, valid_T).to(self.bias_counts.device))
 

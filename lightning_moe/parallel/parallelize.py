@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from lightning_moe.autograd import recompute_context
 from lightning_moe.models.transformer import Attention, MLAttention, MoETransformer
 from lightning_moe.moe.deepep import DeepEPDispatcher
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
@@ -219,7 +220,7 @@ def apply_ac(model: MoETransformer, mode: Union[str, Sequence[str]] = "full",
 
     blocks = list(model.layers.items())
     for key, block in blocks[: len(blocks) if num_layers is None else num_layers]:
-        model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
+        model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=recompute_context)
 
 
 def _expert_shard_placement(experts: nn.Module, edp: int) -> Callable[[nn.Parameter], Shard]:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_moe.autograd import recompute_context
 from lightning_moe.parallel.layout import RECOMPUTE_KINDS
 
 __all__ = ["Recomputed", "apply_recompute"]
@@ -58,7 +59,7 @@ class Recomputed:
         inputs, rest = args[:n], args[n:]
         # no dropout in these regions: the RNG state need not be saved and restored
         return checkpoint(lambda *a: self.fn(*a, *rest, **kwargs), *inputs, use_reentrant=False,
-                          preserve_rng_state=False)
+                          preserve_rng_state=False, context_fn=recompute_context)
 
 
 def _wrap(obj: Any, name: str, num_inputs: Optional[int] = None) -> None:
