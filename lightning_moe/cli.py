@@ -20,12 +20,14 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe.callbacks import LoadBalanceMonitor
+from lightning_moe.checkpoint_io import SafeCheckpointIO
 from lightning_moe.checkpointing import accept_state_by_name
 from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
 from lightning_moe.data import TextDataModule
@@ -408,16 +410,21 @@ class MoECLI(LightningCLI):
         # Replaces LightningCLI's step of the same name (private; no public hook sits between parsing and
         # instantiation), which lets every hyper-parameter of the checkpoint override what was given now.
         # Here: values given now win (the module then continues the LR schedule with the new lr), the model shape
-        # must match the checkpoint's, and `last` resolves to the newest last checkpoint under default_root_dir.
+        # must match the checkpoint's, and `last` resolves to the newest checkpoint under default_root_dir.
         sub = self.config.get("subcommand")
         if not sub:
             return
         cfg = self.config[sub]
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path == "last":
-            ckpt_path = cfg["ckpt_path"] = self._find_last(cfg)
+            ckpt_path = cfg["ckpt_path"] = self._find_last(cfg, sub)
         if not ckpt_path:
+            if sub != "fit" and not cfg["model"].get("pretrained"):
+                print(f"{PROG}: no --ckpt_path: {sub} runs a freshly initialised model (give --ckpt_path PATH, or "
+                      "--ckpt_path last for the newest checkpoint under --trainer.default_root_dir)", file=sys.stderr)
             return
+        if Path(ckpt_path).expanduser().is_dir():
+            _load_directories_with_moe_parallel(cfg, ckpt_path)
         hp = _checkpoint_hparams(ckpt_path)
         saved = hp.get("config") if hp else None
         if not isinstance(saved, dict):
@@ -437,15 +444,19 @@ class MoECLI(LightningCLI):
                   + ", ".join(f"{k}={model[k]!r} (checkpoint: {v!r})" for k, v in sorted(others.items())),
                   file=sys.stderr)
 
-    def _find_last(self, cfg: Any) -> Optional[str]:
-        """The newest ``last`` checkpoint (file or directory) under the trainer's default_root_dir, else None with a
-        prominent message (an error with --resume_required)."""
+    def _find_last(self, cfg: Any, sub: str) -> Optional[str]:
+        """The newest checkpoint (file or distributed directory) under the trainer's default_root_dir. None with a
+        prominent message when ``fit`` finds none (an error with --resume_required); an error for the other
+        commands, which would otherwise evaluate a freshly initialised model."""
         root = (cfg.get("trainer") or {}).get("default_root_dir") or os.getcwd()
-        found = sorted(glob.glob(os.path.join(str(root), "**", "last*.ckpt"), recursive=True), key=os.path.getmtime)
+        found = newest_checkpoint(root)
         if found:
-            print(f"{PROG}: --ckpt_path last -> {found[-1]}", file=sys.stderr)
-            return found[-1]
-        msg = f"--ckpt_path last: no last checkpoint under {root}"
+            print(f"{PROG}: --ckpt_path last -> {found}", file=sys.stderr)
+            return found
+        msg = f"--ckpt_path last: no checkpoint under {root}"
+        if sub != "fit":
+            raise UsageError(f"{msg}: give the path of one (--ckpt_path PATH) or the run's folder "
+                             "(--trainer.default_root_dir)")
         if cfg.get("resume_required"):
             raise UsageError(msg + " and --resume_required is set")
         bar = "!" * min(100, len(msg) + 40)
@@ -456,6 +467,11 @@ class MoECLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         if self.subcommand is not None:  # data and model are built: check them before the Trainer starts anything
             self._check_data_and_model(self.subcommand)
+        plugins = (self._get(self.config_init, "trainer", default={}) or {}).get("plugins")
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):
+            # atomic, checksummed checkpoint files under every strategy (MoEParallelStrategy's default too)
+            kwargs["plugins"] = plugins + [SafeCheckpointIO()]
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand == "fit" and not any(isinstance(cb, LoadBalanceMonitor) for cb in trainer.callbacks):
             # routing health is on by default from the command line; a monitor in trainer.callbacks replaces it
@@ -475,16 +491,51 @@ def _plain(value: Any) -> Any:
     return value.as_dict() if hasattr(value, "as_dict") else value
 
 
+def newest_checkpoint(root: Union[str, os.PathLike]) -> Optional[str]:
+    """The most recently written checkpoint under ``root``: a ``*.ckpt`` file or distributed checkpoint directory,
+    whatever its name (the step's own ``epoch=0-step=300.ckpt`` when the last step was also a validation step,
+    ``last.ckpt`` otherwise); None when there is none. Temporary files of a save in progress are not checkpoints."""
+    found = [p for p in glob.glob(os.path.join(os.fspath(root), "**", "*.ckpt"), recursive=True)
+             if os.path.isfile(p) or os.path.isfile(os.path.join(p, "meta.pt"))]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def _load_directories_with_moe_parallel(cfg: Any, path: str) -> None:
+    """A distributed checkpoint (a directory) loads under MoEParallelStrategy only, at any layout: the plain
+    configs (Lightning's default strategy) get it, with a note; another strategy is an error naming the flag."""
+    from lightning_moe.strategies import MoEParallelStrategy
+
+    trainer = cfg["trainer"]
+    value = trainer.get("strategy")
+    plain = _as_plain(value)
+    name = plain.get("class_path") if isinstance(plain, dict) else plain
+    if isinstance(value, MoEParallelStrategy) or (isinstance(name, str) and (
+            name.strip() in STRATEGY_NAMES or name.endswith("MoEParallelStrategy"))):
+        return
+    if name not in (None, "auto"):
+        raise UsageError(f"--ckpt_path {path} is a distributed checkpoint (a directory): it loads under "
+                         f"MoEParallelStrategy (--trainer.strategy moe_parallel, any number of devices), not {name!r}")
+    trainer["strategy"] = "moe_parallel"
+    print(f"{PROG}: --ckpt_path {path} is a distributed checkpoint (a directory): loading it with "
+          "MoEParallelStrategy (--trainer.strategy moe_parallel)", file=sys.stderr)
+
+
 def _checkpoint_hparams(path: str) -> Optional[dict[str, Any]]:
-    """The hyper-parameters stored in a checkpoint file or distributed checkpoint directory (weights_only)."""
+    """The hyper-parameters stored in a checkpoint file (its checksum verified) or distributed checkpoint directory;
+    weights_only, a damaged or unreadable file is a UsageError naming it."""
     import torch
 
-    p = Path(path)
+    from lightning_moe.checkpoint_io import CorruptCheckpointError, SafeCheckpointIO
+
+    p = Path(path).expanduser()
     meta = p / "meta.pt" if p.is_dir() else p
     if not meta.exists():
         raise UsageError(f"--ckpt_path {path}: no such checkpoint")
     try:
-        ckpt = torch.load(meta, weights_only=True, map_location="cpu")
+        ckpt = torch.load(meta, weights_only=True, map_location="cpu") if p.is_dir() else \
+            SafeCheckpointIO().load_checkpoint(meta)
+    except CorruptCheckpointError as e:
+        raise UsageError(f"--ckpt_path {path}: {e}") from e
     except Exception as e:
         raise UsageError(f"--ckpt_path {path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
     return ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None

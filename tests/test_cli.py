@@ -449,3 +449,99 @@ def test_test_and_predict_commands(tmp_path, capsys):
     assert out.count("def main(") >= 1 and "import o" in out, out[-1500:]
     assert _run(["predict"] + base) == 2
     assert "nothing to predict" in capsys.readouterr().err
+
+
+def _test_loss(out: str) -> float:
+    """test_loss from the table `lightning-moe test` prints (rich or plain)."""
+    found = re.search(r"test_loss\D*?([0-9]+\.[0-9]+)", out)
+    assert found, out[-1500:]
+    return float(found.group(1))
+
+
+def _newest(root) -> dict:
+    from lightning_moe.cli import newest_checkpoint
+
+    path = newest_checkpoint(root)
+    assert path is not None, f"no checkpoint under {root}"
+    meta = Path(path) / "meta.pt" if os.path.isdir(path) else path
+    return {"path": path, **torch.load(meta, weights_only=True, map_location="cpu")}
+
+
+def test_ckpt_path_last_finds_the_final_step_checkpoint_and_a_missing_one_fails(tmp_path, capsys):
+    """When the last step is also a validation step only `epoch=0-step=N.ckpt` is written (no last.ckpt): `last`
+    still resolves to it for test and fit; test / validate / predict / generate without a checkpoint exit 2
+    instead of evaluating a freshly initialised model. The plain config's checkpoints are checksummed: one flipped
+    byte is refused, naming the file."""
+    from lightning_moe.generation import generate_main
+
+    text = tmp_path / "t.txt"
+    text.write_text("def main():\n    return 0\n" * 200)
+    base = ["--config", TINY, f"--trainer.default_root_dir={tmp_path / 'run'}", "--data.max_tokens=60000",
+            "--data.seq_len=64", "--data.batch_size=4", "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
+    fit = ["fit", *base, "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
+           "--trainer.num_sanity_val_steps=0"]
+    assert _run(fit + ["--trainer.max_steps=4"]) == 0
+    written = sorted(p.name for p in (tmp_path / "run").rglob("*.ckpt"))
+    assert written == ["epoch=0-step=4.ckpt"], written  # the final step was saved by the validation: no last.ckpt
+    step4 = _newest(tmp_path / "run")["path"]
+    capsys.readouterr()
+
+    test = ["test", *base, f"--data.test_files={text}", "--trainer.limit_test_batches=2"]
+    assert _run(test + ["--ckpt_path=last"]) == 0
+    out = capsys.readouterr()
+    assert f"--ckpt_path last -> {step4}" in out.err, out.err[-1500:]
+    from_last = _test_loss(out.out)
+    assert _run(test + [f"--ckpt_path={step4}"]) == 0
+    assert _test_loss(capsys.readouterr().out) == from_last
+    assert _run(test) == 0  # no checkpoint asked for: the fresh model, said so
+    out = capsys.readouterr()
+    assert "runs a freshly initialised model" in out.err and _test_loss(out.out) != from_last
+
+    assert _run(fit + ["--trainer.max_steps=5", "--ckpt_path=last"]) == 0
+    assert "FROM SCRATCH" not in capsys.readouterr().err
+    resumed = _newest(tmp_path / "run")
+    assert resumed["global_step"] == 5 and resumed["path"] != step4
+
+    # nothing under the run folder: an error for every command but fit
+    empty = [a if not a.startswith("--trainer.default_root_dir") else f"--trainer.default_root_dir={tmp_path / 'no'}"
+             for a in base]
+    for command in ("test", "validate", "predict"):
+        assert _run([command, *empty, "--ckpt_path=last", f"--data.test_files={text}",
+                     "--data.predict_prompts=[\"def\"]"]) == 2, command
+        assert "--ckpt_path last: no checkpoint under" in capsys.readouterr().err
+    assert generate_main(["--ckpt_path", str(tmp_path / "no" / "last.ckpt"), "--prompt", "def"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    # checksummed by default: a flipped byte that torch.load would not notice is refused before the run starts
+    assert Path(step4 + ".crc32").is_file()
+    damaged = tmp_path / "damaged.ckpt"
+    data = bytearray(Path(step4).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    Path(str(damaged) + ".crc32").write_text(Path(step4 + ".crc32").read_text())
+    torch.load(damaged, weights_only=True)  # the damage is invisible without the checksum
+    assert _run(fit + ["--trainer.max_steps=6", f"--ckpt_path={damaged}"]) == 2
+    assert "damaged.ckpt is damaged" in capsys.readouterr().err
+
+
+def test_a_distributed_checkpoint_resumes_under_the_plain_config(tmp_path, capsys):
+    """A checkpoint directory (MoEParallelStrategy's distributed format, any layout) given to the plain tiny.yaml
+    loads: the CLI chooses MoEParallelStrategy for it, and says so; another strategy is refused naming the flag."""
+    base = ["--config", TINY, f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=60000",
+            "--data.seq_len=64", "--data.batch_size=4", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+            "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
+    try:
+        assert _run(["fit", *base, "--trainer.max_steps=2", "--trainer.strategy=moe_parallel"]) == 0
+        first = _newest(tmp_path)
+        assert os.path.isdir(first["path"]) and first["global_step"] == 2
+        capsys.readouterr()
+        assert _run(["fit", *base, "--trainer.max_steps=3", f"--ckpt_path={first['path']}"]) == 0
+        assert "is a distributed checkpoint (a directory): loading it with MoEParallelStrategy" in \
+            capsys.readouterr().err
+        assert _newest(tmp_path)["global_step"] == 3
+        assert _run(["fit", *base, "--trainer.max_steps=4", f"--ckpt_path={first['path']}",
+                     "--trainer.strategy=single_device"]) == 2
+        assert "--trainer.strategy moe_parallel" in capsys.readouterr().err
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
