@@ -206,7 +206,7 @@ def _model_config_from_value(value: Any, previous: Any, where: str = "model.conf
         # fields is complete and carries no preset key: the overrides apply to it, then everything is validated
         merged = _deep_update(fields, overrides)
         return resolve_model_config(merged, where).to_dict()
-    if value is None:
+    if value is None or (isinstance(value, str) and _parse_scalar(value) is None):  # null, ~, "" (YAML nulls)
         return None  # MoELanguageModel's default: the tiny preset, or the config of `pretrained`
     if isinstance(value, ModelConfig):
         return value.to_dict()
@@ -345,6 +345,20 @@ class MoECLI(LightningCLI):
         if strategy is not None:
             _wrap_check_type(strategy, _normalize_strategy)
 
+    def before_instantiate_classes(self) -> None:
+        """With ``model.pretrained``, the model config comes from the folder: a bare preset next to it (tiny.yaml's
+        ``config: tiny``, for training from scratch) gives way, with a note; fields that contradict the folder stay
+        an error."""
+        cfg = self.config[self.config["subcommand"]] if self.config.get("subcommand") else self.config
+        model = cfg["model"]
+        given = _plain(model.get("config"))
+        if model.get("pretrained") and isinstance(given, dict):
+            preset = next((n for n in preset_names() if resolve_model_config(n).to_dict() == given), None)
+            if preset is not None:
+                model["config"] = None
+                print(f"{PROG}: model.config comes from {model['pretrained']}/config.json (model.pretrained), not "
+                      f"the preset {preset!r}", file=sys.stderr)
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -425,7 +439,13 @@ class MoECLI(LightningCLI):
             return
         if Path(ckpt_path).expanduser().is_dir():
             _load_directories_with_moe_parallel(cfg, ckpt_path)
-        hp = _checkpoint_hparams(ckpt_path)
+        ckpt = _checkpoint_meta(ckpt_path)
+        tokenizer = (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+        data = cfg.get("data")
+        if tokenizer and data is not None and "tokenizer" in data and data["tokenizer"] is None:
+            data["tokenizer"] = tokenizer  # the token ids of the checkpoint mean nothing in another vocabulary
+            print(f"{PROG}: data.tokenizer comes from the checkpoint: {tokenizer}", file=sys.stderr)
+        hp = ckpt.get("hyper_parameters")
         saved = hp.get("config") if hp else None
         if not isinstance(saved, dict):
             return
@@ -520,9 +540,9 @@ def _load_directories_with_moe_parallel(cfg: Any, path: str) -> None:
           "MoEParallelStrategy (--trainer.strategy moe_parallel)", file=sys.stderr)
 
 
-def _checkpoint_hparams(path: str) -> Optional[dict[str, Any]]:
-    """The hyper-parameters stored in a checkpoint file (its checksum verified) or distributed checkpoint directory;
-    weights_only, a damaged or unreadable file is a UsageError naming it."""
+def _checkpoint_meta(path: str) -> dict[str, Any]:
+    """A checkpoint file (its checksum verified) or a distributed checkpoint directory's metadata, read
+    weights_only; a damaged or unreadable file is a UsageError naming it."""
     import torch
 
     from lightning_moe.checkpoint_io import CorruptCheckpointError, SafeCheckpointIO
@@ -538,7 +558,7 @@ def _checkpoint_hparams(path: str) -> Optional[dict[str, Any]]:
         raise UsageError(f"--ckpt_path {path}: {e}") from e
     except Exception as e:
         raise UsageError(f"--ckpt_path {path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
-    return ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    return ckpt if isinstance(ckpt, dict) else {}
 
 
 def _build_optimizers(model: Any, optimizer_init: dict[str, Any], scheduler_init: Optional[dict[str, Any]]) -> Any:

@@ -406,7 +406,7 @@ def test_readme_commands_match_ci():
 
 
 def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys):
-    """`--ckpt_path last` finds the newest last checkpoint (the end of training always writes one), a learning rate
+    """`--ckpt_path last` finds the newest checkpoint (the end of training always leaves one), a learning rate
     given now wins over the checkpoint's, another model shape is refused naming the fields, and a missing last
     checkpoint is said prominently (an error with --resume_required)."""
     base = ["fit", "--config", TINY, "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
@@ -427,7 +427,7 @@ def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys):
     empty = tmp_path / "empty"
     args = [a if not a.startswith("--trainer.default_root_dir") else f"--trainer.default_root_dir={empty}" for a in base]
     assert _run(args + ["--trainer.max_steps=1", "--ckpt_path=last", "--resume_required=true"]) == 2
-    assert "no last checkpoint under" in capsys.readouterr().err
+    assert "no checkpoint under" in capsys.readouterr().err
     assert _run(args + ["--trainer.max_steps=1", "--ckpt_path=last"]) == 0
     assert "training starts FROM SCRATCH" in capsys.readouterr().err
 
