@@ -352,8 +352,8 @@ class MoECLI(LightningCLI):
         cfg = self.config[self.config["subcommand"]] if self.config.get("subcommand") else self.config
         model = cfg["model"]
         given = _plain(model.get("config"))
-        if model.get("pretrained") and isinstance(given, dict):
-            preset = next((n for n in preset_names() if resolve_model_config(n).to_dict() == given), None)
+        if model.get("pretrained"):
+            preset = _bare_preset(given)
             if preset is not None:
                 model["config"] = None
                 print(f"{PROG}: model.config comes from {model['pretrained']}/config.json (model.pretrained), not "
@@ -451,9 +451,11 @@ class MoECLI(LightningCLI):
             return
         model = cfg["model"]
         given = _plain(model.get("config"))
-        if given is None or given == _plain(getattr(self, "_model_config_default", None)):
+        if given is None or given == _plain(getattr(self, "_model_config_default", None)) or _bare_preset(given):
+            # a preset without field overrides (tiny.yaml's `config: tiny`) gives way to the checkpoint's shape
             model["config"] = saved
-            print(f"{PROG}: model.config comes from the checkpoint {ckpt_path}", file=sys.stderr)
+            if given != saved:
+                print(f"{PROG}: model.config comes from the checkpoint {ckpt_path}", file=sys.stderr)
         elif given != saved:
             diff = sorted(k for k in set(saved) | set(given) if saved.get(k) != given.get(k))
             raise UsageError(f"model.config differs from the checkpoint {ckpt_path} in {diff} (the checkpoint's "
@@ -509,6 +511,13 @@ class MoECLI(LightningCLI):
 def _plain(value: Any) -> Any:
     """A jsonargparse Namespace as a plain dict (other values unchanged)."""
     return value.as_dict() if hasattr(value, "as_dict") else value
+
+
+def _bare_preset(fields: Any) -> Optional[str]:
+    """The name of the preset whose fields ``fields`` are exactly (a preset given without overrides), else None."""
+    if not isinstance(fields, dict):
+        return None
+    return next((n for n in preset_names() if resolve_model_config(n).to_dict() == fields), None)
 
 
 def newest_checkpoint(root: Union[str, os.PathLike]) -> Optional[str]:

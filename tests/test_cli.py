@@ -258,6 +258,26 @@ def test_own_data_with_a_local_hf_tokenizer(tmp_path, capsys):
     cfg = ModelConfig.from_dict(torch.load(ckpt[0], weights_only=True)["hyper_parameters"]["config"])
     assert cfg == ModelConfig.from_preset("tiny", vocab_size=n_tokens)
 
+    # the checkpoint remembers its tokenizer: generate without --tokenizer decodes with it (not with bytes) ...
+    from lightning_moe.generation import generate_main
+
+    capsys.readouterr()
+    prompt = ["--ckpt_path", ckpt[0], "--prompt", "my own text", "--max_new_tokens", "6"]
+    assert generate_main(prompt + ["--tokenizer", str(tok_dir)]) == 0
+    explicit = capsys.readouterr().out
+    assert generate_main(prompt) == 0
+    out = capsys.readouterr()
+    assert out.out == explicit and f"the checkpoint's tokenizer: {tok_dir}" in out.err
+    # ... and so do the CLI's evaluation commands
+    assert _run(["predict", "--config", TINY, f"--ckpt_path={ckpt[0]}", "--data.predict_prompts=[\"my own\"]",
+                 "--model.predict_max_new_tokens=3", f"--trainer.default_root_dir={tmp_path}",
+                 "--trainer.enable_progress_bar=false", "--trainer.logger=false"]) == 0
+    assert f"data.tokenizer comes from the checkpoint: {tok_dir}" in capsys.readouterr().err
+    # once the tokenizer is gone, generate says what to give instead of printing bytes of the wrong vocabulary
+    os.rename(tok_dir, tmp_path / "moved")
+    assert generate_main(prompt) == 2
+    assert "give --tokenizer DIR" in capsys.readouterr().err
+
 
 def test_validation_interval_longer_than_the_epoch_is_no_error(tmp_path):
     # 20000 tokens are 9 batches of 8 x 256: tiny.yaml's val_check_interval of 100 spans epochs
