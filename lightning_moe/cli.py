@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import glob
+import importlib.util
 import logging
 import os
 import re
@@ -23,10 +24,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe.callbacks import LoadBalanceMonitor
+from lightning_moe.callbacks.progress import MoEProgressBar
 from lightning_moe.checkpoint_io import SafeCheckpointIO
 from lightning_moe.checkpointing import accept_state_by_name
 from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
@@ -494,6 +497,12 @@ class MoECLI(LightningCLI):
         if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):
             # atomic, checksummed checkpoint files under every strategy (MoEParallelStrategy's default too)
             kwargs["plugins"] = plugins + [SafeCheckpointIO()]
+        trainer_cfg = self._get(self.config_init, "trainer", default={}) or {}
+        callbacks = trainer_cfg.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        if importlib.util.find_spec("rich") is not None and trainer_cfg.get("enable_progress_bar") is not False \
+                and not any(isinstance(cb, ProgressBar) for cb in callbacks) and "callbacks" not in kwargs:
+            kwargs["callbacks"] = callbacks + [MoEProgressBar()]  # Lightning's default bar, readable for step runs
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand == "fit" and not any(isinstance(cb, LoadBalanceMonitor) for cb in trainer.callbacks):
             # routing health is on by default from the command line; a monitor in trainer.callbacks replaces it

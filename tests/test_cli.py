@@ -565,3 +565,16 @@ def test_a_distributed_checkpoint_resumes_under_the_plain_config(tmp_path, capsy
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_the_progress_bar_of_a_step_based_run(tmp_path, capsys):
+    """With rich installed (the test extras) the bar of `lightning-moe fit` reads `Epoch 0`, not Lightning's
+    `Epoch 0/-2` of an unbounded max_epochs, and shows the throughput whole under a short name."""
+    pytest.importorskip("rich")
+    assert _run(["fit", "--config", TINY, "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
+                 "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}", "--data.seq_len=64",
+                 "--data.batch_size=2", "--data.max_tokens=20000", "--trainer.logger=false",
+                 "--trainer.enable_checkpointing=false", "--trainer.enable_model_summary=false"]) == 0
+    out = capsys.readouterr().out
+    assert "Epoch 0" in out and "Epoch 0/-" not in out, out[-2000:]
+    assert re.search(r"tok/s: \d+\b", out) and "tokens_per" not in out and "v_num" not in out, out[-2000:]
