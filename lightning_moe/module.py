@@ -512,7 +512,7 @@ class MoELanguageModel(L.LightningModule):
             return
         if self._last_saved_step != self.global_step:
             path = os.path.join(cb.dirpath, "last" + cb.FILE_EXTENSION)
-            self.trainer.save_checkpoint(path)
+            self.trainer.save_checkpoint(path, weights_only=False)  # the full state: resumable
             rank_zero_info(f"final checkpoint (step {self.global_step}): {path}")
         else:
             rank_zero_info(f"final checkpoint (step {self.global_step}): in {cb.dirpath} "

@@ -425,7 +425,7 @@ def test_readme_commands_match_ci():
         f"README's test command {cmds[1]!r} differs from .ci/run's {_ci_test_command()!r}")
 
 
-def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys):
+def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys, caplog):
     """`--ckpt_path last` finds the newest checkpoint (the end of training always leaves one), a learning rate
     given now wins over the checkpoint's, another model shape is refused naming the fields, and a missing last
     checkpoint is said prominently (an error with --resume_required)."""
@@ -433,6 +433,7 @@ def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys):
             "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=60000",
             "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
     assert _run(base + ["--trainer.max_steps=3"]) == 0
+    assert "final checkpoint (step 3)" in caplog.text and "`weights_only` was not set" not in caplog.text
     lasts = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
     assert len(lasts) == 1 and torch.load(lasts[0], weights_only=True)["global_step"] == 3
     capsys.readouterr()
