@@ -641,3 +641,40 @@ def test_a_truncated_safetensors_file_is_named(tmp_path):
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(ValueError, match=r"model\.safetensors cannot be read as safetensors .*incomplete"):
         from_hf(path)
+
+
+def test_the_main_jobs_model_exports_and_reloads_in_transformers(tmp_path, capsys):
+    """The README's main job (tiny.yaml, the tiny preset) -> `lightning-moe export CKPT OUT` with no --model_type ->
+    transformers loads the folder with no missing or unexpected weights and computes the same logits. A model no
+    family holds is refused naming, for each family, the field that stops it."""
+    from _cli import run_cli
+
+    from lightning_moe.export import export_main
+    from lightning_moe.generation import load_for_generation
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "tiny.yaml")
+    assert run_cli(["fit", "--config", tiny, "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+                    "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}", "--data.seq_len=64",
+                    "--data.batch_size=2", "--data.max_tokens=20000", "--trainer.enable_progress_bar=false",
+                    "--trainer.logger=false"]) == 0
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    assert export_main([str(ckpt), str(tmp_path / "hf")]) == 0
+    assert "(qwen3_moe," in capsys.readouterr().out
+    ours, cfg = load_for_generation(ckpt)
+    assert cfg == ModelConfig.from_preset("tiny")
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager",
+                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids = torch.randint(0, 260, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _close(hf.eval()(ids).logits, ours(ids))
+
+    shared = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_expert_hidden_size=128))
+    with pytest.raises(ValueError) as err:
+        save_hf(MoETransformer(shared), tmp_path / "no", model_type="qwen3_moe")
+    msg = str(err.value)
+    assert msg.startswith("cannot export to qwen3_moe: moe.shared_expert_hidden_size=128") and \
+        "No other family holds this model" in msg and "deepseek_v3: attention must be 'mla'" in msg and \
+        "mixtral: " in msg and "olmoe: " in msg, msg
+    with pytest.raises(ValueError, match=r"Families that hold this model: qwen3_moe \(model_type='qwen3_moe'\)"):
+        save_hf(MoETransformer(cfg), tmp_path / "no", model_type="olmoe")
