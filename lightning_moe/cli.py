@@ -14,17 +14,23 @@ from __future__ import annotations
 import argparse
 import difflib
 import glob
+import importlib.util
 import logging
 import os
 import re
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe.callbacks import LoadBalanceMonitor
+from lightning_moe.callbacks.progress import MoEProgressBar
+from lightning_moe.checkpoint import META_FILE, SafeCheckpointIO
 from lightning_moe.checkpoint.optimizer_state import accept_state_by_name
 from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
 from lightning_moe.data import TextDataModule
@@ -203,7 +209,7 @@ def _model_config_from_value(value: Any, previous: Any, where: str = "model.conf
         # fields is complete and carries no preset key: the overrides apply to it, then everything is validated
         merged = _deep_update(fields, overrides)
         return resolve_model_config(merged, where).to_dict()
-    if value is None:
+    if value is None or (isinstance(value, str) and _parse_scalar(value) is None):  # null, ~, "" (YAML nulls)
         return None  # MoELanguageModel's default: the tiny preset, or the config of `pretrained`
     if isinstance(value, ModelConfig):
         return value.to_dict()
@@ -342,6 +348,20 @@ class MoECLI(LightningCLI):
         if strategy is not None:
             _wrap_check_type(strategy, _normalize_strategy)
 
+    def before_instantiate_classes(self) -> None:
+        """With ``model.pretrained``, the model config comes from the folder: a bare preset next to it (tiny.yaml's
+        ``config: tiny``, for training from scratch) gives way, with a note; fields that contradict the folder stay
+        an error."""
+        cfg = self.config[self.config["subcommand"]] if self.config.get("subcommand") else self.config
+        model = cfg["model"]
+        given = _plain(model.get("config"))
+        if model.get("pretrained"):
+            preset = _bare_preset(given)
+            if preset is not None:
+                model["config"] = None
+                print(f"{PROG}: model.config comes from {model['pretrained']}/config.json (model.pretrained), not "
+                      f"the preset {preset!r}", file=sys.stderr)
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -407,25 +427,38 @@ class MoECLI(LightningCLI):
         # Replaces LightningCLI's step of the same name (private; no public hook sits between parsing and
         # instantiation), which lets every hyper-parameter of the checkpoint override what was given now.
         # Here: values given now win (the module then continues the LR schedule with the new lr), the model shape
-        # must match the checkpoint's, and `last` resolves to the newest last checkpoint under default_root_dir.
+        # must match the checkpoint's, and `last` resolves to the newest checkpoint under default_root_dir.
         sub = self.config.get("subcommand")
         if not sub:
             return
         cfg = self.config[sub]
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path == "last":
-            ckpt_path = cfg["ckpt_path"] = self._find_last(cfg)
+            ckpt_path = cfg["ckpt_path"] = self._find_last(cfg, sub)
         if not ckpt_path:
+            if sub != "fit" and not cfg["model"].get("pretrained"):
+                print(f"{PROG}: no --ckpt_path: {sub} runs a freshly initialised model (give --ckpt_path PATH, or "
+                      "--ckpt_path last for the newest checkpoint under --trainer.default_root_dir)", file=sys.stderr)
             return
-        hp = _checkpoint_hparams(ckpt_path)
+        if Path(ckpt_path).expanduser().is_dir():
+            _load_directories_with_moe_parallel(cfg, ckpt_path)
+        ckpt = _checkpoint_meta(ckpt_path)
+        tokenizer = (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+        data = cfg.get("data")
+        if tokenizer and data is not None and "tokenizer" in data and data["tokenizer"] is None:
+            data["tokenizer"] = tokenizer  # the token ids of the checkpoint mean nothing in another vocabulary
+            print(f"{PROG}: data.tokenizer comes from the checkpoint: {tokenizer}", file=sys.stderr)
+        hp = ckpt.get("hyper_parameters")
         saved = hp.get("config") if hp else None
         if not isinstance(saved, dict):
             return
         model = cfg["model"]
         given = _plain(model.get("config"))
-        if given is None or given == _plain(getattr(self, "_model_config_default", None)):
+        if given is None or given == _plain(getattr(self, "_model_config_default", None)) or _bare_preset(given):
+            # a preset without field overrides (tiny.yaml's `config: tiny`) gives way to the checkpoint's shape
             model["config"] = saved
-            print(f"{PROG}: model.config comes from the checkpoint {ckpt_path}", file=sys.stderr)
+            if given != saved:
+                print(f"{PROG}: model.config comes from the checkpoint {ckpt_path}", file=sys.stderr)
         elif given != saved:
             diff = sorted(k for k in set(saved) | set(given) if saved.get(k) != given.get(k))
             raise UsageError(f"model.config differs from the checkpoint {ckpt_path} in {diff} (the checkpoint's "
@@ -436,15 +469,19 @@ class MoECLI(LightningCLI):
                   + ", ".join(f"{k}={model[k]!r} (checkpoint: {v!r})" for k, v in sorted(others.items())),
                   file=sys.stderr)
 
-    def _find_last(self, cfg: Any) -> Optional[str]:
-        """The newest ``last`` checkpoint (file or directory) under the trainer's default_root_dir, else None with a
-        prominent message (an error with --resume_required)."""
+    def _find_last(self, cfg: Any, sub: str) -> Optional[str]:
+        """The newest checkpoint (file or distributed directory) under the trainer's default_root_dir. None with a
+        prominent message when ``fit`` finds none (an error with --resume_required); an error for the other
+        commands, which would otherwise evaluate a freshly initialised model."""
         root = (cfg.get("trainer") or {}).get("default_root_dir") or os.getcwd()
-        found = sorted(glob.glob(os.path.join(str(root), "**", "last*.ckpt"), recursive=True), key=os.path.getmtime)
+        found = newest_checkpoint(root)
         if found:
-            print(f"{PROG}: --ckpt_path last -> {found[-1]}", file=sys.stderr)
-            return found[-1]
-        msg = f"--ckpt_path last: no last checkpoint under {root}"
+            print(f"{PROG}: --ckpt_path last -> {found}", file=sys.stderr)
+            return found
+        msg = f"--ckpt_path last: no checkpoint under {root}"
+        if sub != "fit":
+            raise UsageError(f"{msg}: give the path of one (--ckpt_path PATH) or the run's folder "
+                             "(--trainer.default_root_dir)")
         if cfg.get("resume_required"):
             raise UsageError(msg + " and --resume_required is set")
         bar = "!" * min(100, len(msg) + 40)
@@ -455,6 +492,17 @@ class MoECLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         if self.subcommand is not None:  # data and model are built: check them before the Trainer starts anything
             self._check_data_and_model(self.subcommand)
+        plugins = (self._get(self.config_init, "trainer", default={}) or {}).get("plugins")
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):
+            # atomic, checksummed checkpoint files under every strategy (MoEParallelStrategy's default too)
+            kwargs["plugins"] = plugins + [SafeCheckpointIO()]
+        trainer_cfg = self._get(self.config_init, "trainer", default={}) or {}
+        callbacks = trainer_cfg.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        if importlib.util.find_spec("rich") is not None and trainer_cfg.get("enable_progress_bar") is not False \
+                and not any(isinstance(cb, ProgressBar) for cb in callbacks) and "callbacks" not in kwargs:
+            kwargs["callbacks"] = callbacks + [MoEProgressBar()]  # Lightning's default bar, readable for step runs
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand == "fit" and not any(isinstance(cb, LoadBalanceMonitor) for cb in trainer.callbacks):
             # routing health is on by default from the command line; a monitor in trainer.callbacks replaces it
@@ -474,21 +522,61 @@ def _plain(value: Any) -> Any:
     return value.as_dict() if hasattr(value, "as_dict") else value
 
 
-def _checkpoint_hparams(path: str) -> Optional[dict[str, Any]]:
-    """The hyper-parameters stored in a checkpoint file or distributed checkpoint directory (weights_only)."""
+def _bare_preset(fields: Any) -> Optional[str]:
+    """The name of the preset whose fields ``fields`` are exactly (a preset given without overrides), else None."""
+    if not isinstance(fields, dict):
+        return None
+    return next((n for n in preset_names() if resolve_model_config(n).to_dict() == fields), None)
+
+
+def newest_checkpoint(root: Union[str, os.PathLike]) -> Optional[str]:
+    """The most recently written checkpoint under ``root``: a ``*.ckpt`` file or distributed checkpoint directory,
+    whatever its name (the step's own ``epoch=0-step=300.ckpt`` when the last step was also a validation step,
+    ``last.ckpt`` otherwise); None when there is none. Temporary files of a save in progress are not checkpoints."""
+    found = [p for p in glob.glob(os.path.join(os.fspath(root), "**", "*.ckpt"), recursive=True)
+             if os.path.isfile(p) or os.path.isfile(os.path.join(p, META_FILE))]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def _load_directories_with_moe_parallel(cfg: Any, path: str) -> None:
+    """A distributed checkpoint (a directory) loads under MoEParallelStrategy only, at any layout: the plain
+    configs (Lightning's default strategy) get it, with a note; another strategy is an error naming the flag."""
+    from lightning_moe.strategies import MoEParallelStrategy
+
+    trainer = cfg["trainer"]
+    value = trainer.get("strategy")
+    plain = _as_plain(value)
+    name = plain.get("class_path") if isinstance(plain, dict) else plain
+    if isinstance(value, MoEParallelStrategy) or (isinstance(name, str) and (
+            name.strip() in STRATEGY_NAMES or name.endswith("MoEParallelStrategy"))):
+        return
+    if name not in (None, "auto"):
+        raise UsageError(f"--ckpt_path {path} is a distributed checkpoint (a directory): it loads under "
+                         f"MoEParallelStrategy (--trainer.strategy moe_parallel, any number of devices), not {name!r}")
+    trainer["strategy"] = "moe_parallel"
+    print(f"{PROG}: --ckpt_path {path} is a distributed checkpoint (a directory): loading it with "
+          "MoEParallelStrategy (--trainer.strategy moe_parallel)", file=sys.stderr)
+
+
+def _checkpoint_meta(path: str) -> dict[str, Any]:
+    """A checkpoint file (its checksum verified) or a distributed checkpoint directory's metadata, read
+    weights_only; a damaged or unreadable file is a UsageError naming it."""
     import torch
 
-    from lightning_moe.checkpoint import META_FILE, resolve
+    from lightning_moe.checkpoint import CorruptCheckpointError, resolve
 
     p = resolve(path)
     meta = p / META_FILE if p.is_dir() else p
     if not meta.exists():
         raise UsageError(f"--ckpt_path {path}: no such checkpoint")
     try:
-        ckpt = torch.load(meta, weights_only=True, map_location="cpu")
+        ckpt = torch.load(meta, weights_only=True, map_location="cpu") if p.is_dir() else \
+            SafeCheckpointIO().load_checkpoint(meta)
+    except CorruptCheckpointError as e:
+        raise UsageError(f"--ckpt_path {path}: {e}") from e
     except Exception as e:
         raise UsageError(f"--ckpt_path {path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
-    return ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    return ckpt if isinstance(ckpt, dict) else {}
 
 
 def _build_optimizers(model: Any, optimizer_init: dict[str, Any], scheduler_init: Optional[dict[str, Any]]) -> Any:

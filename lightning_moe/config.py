@@ -327,12 +327,13 @@ class ModelConfig:
 
 
 def _tiny() -> ModelConfig:
+    # Qwen3-MoE's architecture exactly (qk-norm per head, softmax top-k renormalised, a dense first layer, no shared
+    # expert), so the main job's model exports to Hugging Face; 2 x 192 routed hidden units per token
     return ModelConfig(
         vocab_size=260, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
         dense_hidden_size=256, max_seq_len=256, rope_theta=10000.0, qk_norm="head",
-        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden_size=128, score_func="softmax",
-                      aux_loss_type="aux", aux_loss_coeff=1e-2, z_loss_coeff=1e-3, first_k_dense=1,
-                      shared_expert_hidden_size=128),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden_size=192, score_func="softmax",
+                      aux_loss_type="aux", aux_loss_coeff=1e-2, z_loss_coeff=1e-3, first_k_dense=1),
     )
 
 

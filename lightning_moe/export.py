@@ -31,13 +31,13 @@ def export_main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     from lightning_moe.generation import load_for_generation
-    from lightning_moe.models.hf import save_hf
+    from lightning_moe.models.hf import EXPORT_MODEL_TYPES, save_hf
     from lightning_moe.module import infer_model_type
 
     p = argparse.ArgumentParser(prog="lightning-moe export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a .ckpt file or a distributed checkpoint directory (any layout)")
     p.add_argument("out_dir", help="the Hugging Face folder to write (replaced only once complete)")
-    p.add_argument("--model_type", choices=("qwen3_moe", "mixtral", "deepseek_v3", "olmoe"), default=None,
+    p.add_argument("--model_type", choices=EXPORT_MODEL_TYPES, default=None,
                    help="the transformers family (default: inferred from the model config)")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="cast the weights (default: as stored)")
     p.add_argument("--max_shard_size", type=_size, default=5 * 2**30, help="largest safetensors shard (default 5GB)")

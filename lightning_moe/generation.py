@@ -33,7 +33,8 @@ from lightning_moe.checkpoint.publish import resolve
 from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.transformer import KVCache, MoETransformer
 
-__all__ = ["generate", "generate_text", "generate_any", "load_for_generation", "generate_main", "sample_next_token"]
+__all__ = ["generate", "generate_text", "generate_any", "load_for_generation", "checkpoint_tokenizer", "generate_main",
+           "sample_next_token"]
 
 
 # ---- sampling -------------------------------------------------------------------------------------------------------
@@ -153,10 +154,13 @@ def _generate(model: MoETransformer, input_ids: Tensor, *, max_new_tokens: int, 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if S + max_new_tokens > cfg.max_seq_len:
+        fixes = [f"ask for at most {cfg.max_seq_len - S} new tokens"] if S < cfg.max_seq_len else []
+        if max_new_tokens < cfg.max_seq_len:
+            fixes.insert(0, f"shorten the prompt to at most {cfg.max_seq_len - max_new_tokens} tokens")
         raise ValueError(
             f"the prompt ({S} tokens) plus max_new_tokens={max_new_tokens} exceeds the model's max_seq_len="
-            f"{cfg.max_seq_len}: shorten the prompt to at most {cfg.max_seq_len - max_new_tokens} tokens or ask for "
-            f"at most {max(cfg.max_seq_len - S, 0)} new tokens"
+            f"{cfg.max_seq_len}: " + (" or ".join(fixes) if fixes else
+                                      f"keep prompt + new tokens within {cfg.max_seq_len}")
         )
     _check_sampling(temperature, top_p, top_k)
     for name, tok in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
@@ -367,6 +371,21 @@ def _load_distributed_dir(path: Path, model_device: Union[str, torch.device]) ->
     return config, model, _checkpoint_dtype([d for d in dtypes if d is not None])
 
 
+def checkpoint_tokenizer(ckpt_path: Union[str, os.PathLike]) -> Optional[str]:
+    """The local Hugging Face tokenizer folder a checkpoint was trained with (``TextDataModule(tokenizer=...)``,
+    kept in its ``datamodule_hyper_parameters``); None for the byte tokenizer or a checkpoint that does not say."""
+    path = Path(os.path.expanduser(str(ckpt_path)))
+    meta = path / _LIGHTNING_META if path.is_dir() else path
+    if not meta.is_file():
+        return None
+    try:  # mmap: the tensors are not read
+        ckpt = torch.load(meta, map_location="cpu", weights_only=True, mmap=not path.is_dir())
+    except Exception:
+        return None  # load_for_generation names what is wrong with the file
+    tokenizer = (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer") if isinstance(ckpt, dict) else None
+    return str(tokenizer) if tokenizer else None
+
+
 def load_for_generation(ckpt_path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
                         dtype: Optional[torch.dtype] = None) -> tuple[MoETransformer, ModelConfig]:
     """A ``MoETransformer`` in eval mode (no gradients) and its config, from a checkpoint of any layout, in one
@@ -446,15 +465,24 @@ def generate_main(argv: Optional[list[str]] = None) -> int:
             device = torch.device(args.device)
         except RuntimeError as err:
             raise ValueError(f"--device {args.device!r}: {err}") from None
-        if args.tokenizer is None:
+        name = args.tokenizer
+        if name is None and (name := checkpoint_tokenizer(args.ckpt_path)) is not None:
+            if not os.path.isdir(os.path.expanduser(name)):
+                raise ValueError(f"{args.ckpt_path} was trained with the tokenizer {name!r}, which is not there: give "
+                                 "--tokenizer DIR (a copy of that tokenizer)")
+            print(f"lightning-moe generate: the checkpoint's tokenizer: {name}", file=sys.stderr)
+        if name is None:
             from lightning_moe.data.tokenizer import ByteTokenizer
 
             tokenizer: Any = ByteTokenizer()
         else:
             from lightning_moe.data.tokenizer import load_hf_tokenizer
 
-            tokenizer = load_hf_tokenizer(args.tokenizer)
-        model, _ = load_for_generation(args.ckpt_path, device=device, dtype=_DTYPES.get(args.dtype))
+            tokenizer = load_hf_tokenizer(name)
+        model, config = load_for_generation(args.ckpt_path, device=device, dtype=_DTYPES.get(args.dtype))
+        if name is None and config.vocab_size != len(tokenizer):
+            print(f"lightning-moe generate: warning: the model has {config.vocab_size} tokens, the byte tokenizer "
+                  f"{len(tokenizer)}, and the checkpoint names no tokenizer: give --tokenizer DIR", file=sys.stderr)
         generator = torch.Generator(device=device).manual_seed(args.seed)
         texts = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generator=generator)

@@ -514,7 +514,7 @@ class MoELanguageModel(L.LightningModule):
             return
         if self._last_saved_step != self.global_step:
             path = os.path.join(cb.dirpath, "last" + cb.FILE_EXTENSION)
-            self.trainer.save_checkpoint(path)
+            self.trainer.save_checkpoint(path, weights_only=False)  # the full state: resumable
             rank_zero_info(f"final checkpoint (step {self.global_step}): {path}")
         else:
             rank_zero_info(f"final checkpoint (step {self.global_step}): in {cb.dirpath} "
@@ -572,8 +572,12 @@ class MoELanguageModel(L.LightningModule):
                          {k: tuple(v.shape) for k, v in sd.items()}, "being loaded", strict=self.strict_loading)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Optimizer states by parameter name, whatever the strategy (so they load under any layout)."""
+        """Optimizer states by parameter name, whatever the strategy (so they load under any layout). The checkpoint
+        holds the weights and the full config: it does not need (nor name as a source) the ``pretrained`` folder,
+        which may be gone when it is loaded."""
         self._last_saved_step = self.global_step
+        if (checkpoint.get("hyper_parameters") or {}).get("pretrained") is not None:
+            checkpoint["hyper_parameters"] = {**checkpoint["hyper_parameters"], "pretrained": None}
         states = checkpoint.get("optimizer_states")
         if states and self._trainer is not None:
             optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.trainer.optimizers]
@@ -582,14 +586,20 @@ class MoELanguageModel(L.LightningModule):
 
 
 def infer_model_type(config: ModelConfig) -> str:
-    """The Hugging Face family whose architecture matches ``config`` (qwen3_moe when several do)."""
+    """The Hugging Face family whose architecture matches ``config`` (qwen3_moe when several do; when none does,
+    the closest, whose export error then names what stops each family)."""
+    from lightning_moe.models.hf import export_families
+
     if config.attention == "mla":
-        return "deepseek_v3"
-    if config.qk_norm == "full":
-        return "olmoe"
-    if config.qk_norm == "none" and config.moe.score_func == "softmax" and not config.moe.pre_softmax:
-        return "mixtral"
-    return "qwen3_moe"
+        guess = "deepseek_v3"
+    elif config.qk_norm == "full":
+        guess = "olmoe"
+    elif config.qk_norm == "none" and config.moe.score_func == "softmax" and not config.moe.pre_softmax:
+        guess = "mixtral"
+    else:
+        guess = "qwen3_moe"
+    fits = [mt for mt, why in export_families(config).items() if why is None]
+    return guess if guess in fits or not fits else fits[0]
 
 
 def _check_strategy(strategy: Optional[Strategy]) -> None:

@@ -258,6 +258,26 @@ def test_own_data_with_a_local_hf_tokenizer(tmp_path, capsys):
     cfg = ModelConfig.from_dict(torch.load(ckpt[0], weights_only=True)["hyper_parameters"]["config"])
     assert cfg == ModelConfig.from_preset("tiny", vocab_size=n_tokens)
 
+    # the checkpoint remembers its tokenizer: generate without --tokenizer decodes with it (not with bytes) ...
+    from lightning_moe.generation import generate_main
+
+    capsys.readouterr()
+    prompt = ["--ckpt_path", ckpt[0], "--prompt", "my own text", "--max_new_tokens", "6"]
+    assert generate_main(prompt + ["--tokenizer", str(tok_dir)]) == 0
+    explicit = capsys.readouterr().out
+    assert generate_main(prompt) == 0
+    out = capsys.readouterr()
+    assert out.out == explicit and f"the checkpoint's tokenizer: {tok_dir}" in out.err
+    # ... and so do the CLI's evaluation commands
+    assert _run(["predict", "--config", TINY, f"--ckpt_path={ckpt[0]}", "--data.predict_prompts=[\"my own\"]",
+                 "--model.predict_max_new_tokens=3", f"--trainer.default_root_dir={tmp_path}",
+                 "--trainer.enable_progress_bar=false", "--trainer.logger=false"]) == 0
+    assert f"data.tokenizer comes from the checkpoint: {tok_dir}" in capsys.readouterr().err
+    # once the tokenizer is gone, generate says what to give instead of printing bytes of the wrong vocabulary
+    os.rename(tok_dir, tmp_path / "moved")
+    assert generate_main(prompt) == 2
+    assert "give --tokenizer DIR" in capsys.readouterr().err
+
 
 def test_validation_interval_longer_than_the_epoch_is_no_error(tmp_path):
     # 20000 tokens are 9 batches of 8 x 256: tiny.yaml's val_check_interval of 100 spans epochs
@@ -406,14 +426,15 @@ def test_readme_commands_match_ci():
         f"README's test command {cmds[1]!r} differs from .ci/run's {_ci_test_command()!r}")
 
 
-def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys):
-    """`--ckpt_path last` finds the newest last checkpoint (the end of training always writes one), a learning rate
+def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys, caplog):
+    """`--ckpt_path last` finds the newest checkpoint (the end of training always leaves one), a learning rate
     given now wins over the checkpoint's, another model shape is refused naming the fields, and a missing last
     checkpoint is said prominently (an error with --resume_required)."""
     base = ["fit", "--config", TINY, "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
             "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=60000",
             "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
     assert _run(base + ["--trainer.max_steps=3"]) == 0
+    assert "final checkpoint (step 3)" in caplog.text and "`weights_only` was not set" not in caplog.text
     lasts = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
     assert len(lasts) == 1 and torch.load(lasts[0], weights_only=True)["global_step"] == 3
     capsys.readouterr()
@@ -428,7 +449,7 @@ def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys):
     empty = tmp_path / "empty"
     args = [a if not a.startswith("--trainer.default_root_dir") else f"--trainer.default_root_dir={empty}" for a in base]
     assert _run(args + ["--trainer.max_steps=1", "--ckpt_path=last", "--resume_required=true"]) == 2
-    assert "no last checkpoint under" in capsys.readouterr().err
+    assert "no checkpoint under" in capsys.readouterr().err
     assert _run(args + ["--trainer.max_steps=1", "--ckpt_path=last"]) == 0
     assert "training starts FROM SCRATCH" in capsys.readouterr().err
 
@@ -450,3 +471,112 @@ def test_test_and_predict_commands(tmp_path, capsys):
     assert out.count("def main(") >= 1 and "import o" in out, out[-1500:]
     assert _run(["predict"] + base) == 2
     assert "nothing to predict" in capsys.readouterr().err
+
+
+def _test_loss(out: str) -> float:
+    """test_loss from the table `lightning-moe test` prints (rich or plain)."""
+    found = re.search(r"test_loss\D*?([0-9]+\.[0-9]+)", out)
+    assert found, out[-1500:]
+    return float(found.group(1))
+
+
+def _newest(root) -> dict:
+    from lightning_moe.cli import newest_checkpoint
+
+    path = newest_checkpoint(root)
+    assert path is not None, f"no checkpoint under {root}"
+    meta = Path(path) / "meta.pt" if os.path.isdir(path) else path
+    return {"path": path, **torch.load(meta, weights_only=True, map_location="cpu")}
+
+
+def test_ckpt_path_last_finds_the_final_step_checkpoint_and_a_missing_one_fails(tmp_path, capsys):
+    """When the last step is also a validation step only `epoch=0-step=N.ckpt` is written (no last.ckpt): `last`
+    still resolves to it for test and fit; test / validate / predict / generate without a checkpoint exit 2
+    instead of evaluating a freshly initialised model. The plain config's checkpoints are checksummed: one flipped
+    byte is refused, naming the file."""
+    from lightning_moe.generation import generate_main
+
+    text = tmp_path / "t.txt"
+    text.write_text("def main():\n    return 0\n" * 200)
+    base = ["--config", TINY, f"--trainer.default_root_dir={tmp_path / 'run'}", "--data.max_tokens=60000",
+            "--data.seq_len=64", "--data.batch_size=4", "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
+    fit = ["fit", *base, "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
+           "--trainer.num_sanity_val_steps=0"]
+    assert _run(fit + ["--trainer.max_steps=4"]) == 0
+    written = sorted(p.name for p in (tmp_path / "run").rglob("*.ckpt"))
+    assert written == ["epoch=0-step=4.ckpt"], written  # the final step was saved by the validation: no last.ckpt
+    step4 = _newest(tmp_path / "run")["path"]
+    capsys.readouterr()
+
+    test = ["test", *base, f"--data.test_files={text}", "--trainer.limit_test_batches=2"]
+    assert _run(test + ["--ckpt_path=last"]) == 0
+    out = capsys.readouterr()
+    assert f"--ckpt_path last -> {step4}" in out.err, out.err[-1500:]
+    from_last = _test_loss(out.out)
+    assert _run(test + [f"--ckpt_path={step4}"]) == 0
+    assert _test_loss(capsys.readouterr().out) == from_last
+    assert _run(test) == 0  # no checkpoint asked for: the fresh model, said so
+    out = capsys.readouterr()
+    assert "runs a freshly initialised model" in out.err and _test_loss(out.out) != from_last
+
+    assert _run(fit + ["--trainer.max_steps=5", "--ckpt_path=last"]) == 0
+    assert "FROM SCRATCH" not in capsys.readouterr().err
+    resumed = _newest(tmp_path / "run")
+    assert resumed["global_step"] == 5 and resumed["path"] != step4
+
+    # nothing under the run folder: an error for every command but fit
+    empty = [a if not a.startswith("--trainer.default_root_dir") else f"--trainer.default_root_dir={tmp_path / 'no'}"
+             for a in base]
+    for command in ("test", "validate", "predict"):
+        assert _run([command, *empty, "--ckpt_path=last", f"--data.test_files={text}",
+                     "--data.predict_prompts=[\"def\"]"]) == 2, command
+        assert "--ckpt_path last: no checkpoint under" in capsys.readouterr().err
+    assert generate_main(["--ckpt_path", str(tmp_path / "no" / "last.ckpt"), "--prompt", "def"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    # checksummed by default: a flipped byte that torch.load would not notice is refused before the run starts
+    assert Path(step4 + ".crc32").is_file()
+    damaged = tmp_path / "damaged.ckpt"
+    data = bytearray(Path(step4).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    Path(str(damaged) + ".crc32").write_text(Path(step4 + ".crc32").read_text())
+    torch.load(damaged, weights_only=True)  # the damage is invisible without the checksum
+    assert _run(fit + ["--trainer.max_steps=6", f"--ckpt_path={damaged}"]) == 2
+    assert "damaged.ckpt is damaged" in capsys.readouterr().err
+
+
+def test_a_distributed_checkpoint_resumes_under_the_plain_config(tmp_path, capsys):
+    """A checkpoint directory (MoEParallelStrategy's distributed format, any layout) given to the plain tiny.yaml
+    loads: the CLI chooses MoEParallelStrategy for it, and says so; another strategy is refused naming the flag."""
+    base = ["--config", TINY, f"--trainer.default_root_dir={tmp_path}", "--data.max_tokens=60000",
+            "--data.seq_len=64", "--data.batch_size=4", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+            "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
+    try:
+        assert _run(["fit", *base, "--trainer.max_steps=2", "--trainer.strategy=moe_parallel"]) == 0
+        first = _newest(tmp_path)
+        assert os.path.isdir(first["path"]) and first["global_step"] == 2
+        capsys.readouterr()
+        assert _run(["fit", *base, "--trainer.max_steps=3", f"--ckpt_path={first['path']}"]) == 0
+        assert "is a distributed checkpoint (a directory): loading it with MoEParallelStrategy" in \
+            capsys.readouterr().err
+        assert _newest(tmp_path)["global_step"] == 3
+        assert _run(["fit", *base, "--trainer.max_steps=4", f"--ckpt_path={first['path']}",
+                     "--trainer.strategy=single_device"]) == 2
+        assert "--trainer.strategy moe_parallel" in capsys.readouterr().err
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_the_progress_bar_of_a_step_based_run(tmp_path, capsys):
+    """With rich installed (the test extras) the bar of `lightning-moe fit` reads `Epoch 0`, not Lightning's
+    `Epoch 0/-2` of an unbounded max_epochs, and shows the throughput whole under a short name."""
+    pytest.importorskip("rich")
+    assert _run(["fit", "--config", TINY, "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
+                 "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}", "--data.seq_len=64",
+                 "--data.batch_size=2", "--data.max_tokens=20000", "--trainer.logger=false",
+                 "--trainer.enable_checkpointing=false", "--trainer.enable_model_summary=false"]) == 0
+    out = capsys.readouterr().out
+    assert "Epoch 0" in out and "Epoch 0/-" not in out, out[-2000:]
+    assert re.search(r"tok/s: \d+\b", out) and "tokens_per" not in out and "v_num" not in out, out[-2000:]

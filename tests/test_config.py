@@ -55,7 +55,7 @@ def test_every_preset_is_counted():
                                                                        "qk_rope_head_dim": 8, "v_head_dim": 8},
                                        {"qk_norm": "full"},
                                        {"moe": {"expert_bias": True, "score_func": "sigmoid",
-                                                "shared_expert_gate": True}}])
+                                                "shared_expert_hidden_size": 128, "shared_expert_gate": True}}])
 def test_count_equals_built_model(overrides):
     from lightning_moe.models.transformer import MoETransformer
 

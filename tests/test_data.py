@@ -512,6 +512,8 @@ def test_limits_checked_where_the_data_is_made(tmp_path, small_corpus):
     (lambda b: b.update(attention_mask=torch.tensor([[1.0, float("nan"), 1, 1]] * 2)), "NaN"),
     (lambda b: b.update(attention_mask=torch.tensor([[0.0, float("-inf"), 0, 0]] * 2)), "not an additive"),
     (lambda b: b.update(attention_mask=torch.ones(2, 3)), "shape"),
+    (lambda b: b.update(input_ids=torch.zeros(0, 4, dtype=torch.long), labels=None), r"shape \(0, 4\): a batch needs"),
+    (lambda b: b.update(input_ids=torch.zeros(2, 0, dtype=torch.long), labels=None), r"shape \(2, 0\): a batch needs"),
 ])
 def test_validate_batch_refuses(change, match):
     from lightning_moe.data import validate_batch

@@ -225,6 +225,11 @@ def test_generate_argument_errors():
     with pytest.raises(ValueError, match="exceeds the model's max_seq_len=48"):
         generate(model, ids, max_new_tokens=9)
     generate(model, ids, max_new_tokens=8)  # exactly fits
+    # more new tokens than the model's whole length: no prompt length fixes it (not "at most -52 tokens")
+    with pytest.raises(ValueError, match=r"max_seq_len=48: ask for at most 8 new tokens$"):
+        generate(model, ids, max_new_tokens=100)
+    with pytest.raises(ValueError, match=r"shorten the prompt to at most 38 tokens or ask for at most 8 new"):
+        generate(model, ids, max_new_tokens=10)
     ok = tokens((1, 4))
     for kw, msg in [
         (dict(temperature=-0.1), "temperature"), (dict(temperature=math.nan), "temperature"),

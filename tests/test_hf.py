@@ -579,13 +579,7 @@ def test_cli_fine_tunes_from_a_hugging_face_folder(tmp_path, capsys):
     import yaml
     from _cli import run_cli
 
-    torch.manual_seed(0)
-    hf_cfg = AutoConfig.for_model("qwen3_moe", vocab_size=260, hidden_size=64, intermediate_size=96,
-                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                  max_position_embeddings=64, norm_topk_prob=True)  # the byte tokenizer's vocabulary
-    path = str(tmp_path / "src")
-    AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(path)
+    path = _save_qwen3_moe_with_byte_vocab(tmp_path / "src")  # the byte tokenizer's vocabulary
     cfg = {"trainer": {"accelerator": "cpu", "max_steps": 1, "limit_val_batches": 0, "enable_progress_bar": False,
                        "logger": False, "enable_checkpointing": False, "default_root_dir": str(tmp_path)},
            "model": {"pretrained": path, "lr": 1e-3, "warmup_steps": 0},
@@ -593,7 +587,94 @@ def test_cli_fine_tunes_from_a_hugging_face_folder(tmp_path, capsys):
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(cfg))
     assert run_cli(["fit", "--config", str(tmp_path / "ft.yaml")]) == 0
     # a YAML whose model.config contradicts the folder is one clear line, exit 2
-    cfg["model"]["config"] = {"preset": "tiny"}
+    cfg["model"]["config"] = {"preset": "tiny", "num_layers": 3}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
     assert run_cli(["fit", "--config", str(tmp_path / "bad.yaml")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_fine_tune_the_main_config_from_a_folder_and_load_without_it(tmp_path, capsys):
+    """`fit --config tiny.yaml --model.pretrained DIR`: tiny.yaml's bare preset gives way to the folder's config (so
+    does `--model.config null`); the run's checkpoint is self-contained: it loads, with the fine-tuned weights, once
+    the folder is gone."""
+    import shutil
+
+    from _cli import run_cli
+
+    from lightning_moe import MoELanguageModel
+
+    src = _save_qwen3_moe_with_byte_vocab(tmp_path / "src")
+    tiny = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "tiny.yaml")
+    args = ["fit", "--config", tiny, "--model.pretrained", src, "--data.seq_len=16", "--data.batch_size=2",
+            "--data.max_tokens=5000", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+            "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
+    assert run_cli(args + ["--model.config", "null", f"--trainer.default_root_dir={tmp_path / 'null'}"]) == 0
+    assert run_cli(args + [f"--trainer.default_root_dir={tmp_path / 'run'}"]) == 0
+    assert f"model.config comes from {src}/config.json (model.pretrained), not the preset 'tiny'" in \
+        capsys.readouterr().err
+    (ckpt,) = (tmp_path / "run").rglob("*.ckpt")
+    start = from_hf(src).state_dict()
+    shutil.rmtree(src)
+    module = MoELanguageModel.load_from_checkpoint(ckpt, weights_only=True)  # no folder needed
+    assert module.hparams.pretrained is None
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in saved.items())
+    # fine-tuned from the folder's weights (2 small steps), not from a fresh initialisation
+    moved = max(float((saved["model." + k] - v).abs().max()) for k, v in start.items())
+    assert 0 < moved < 1e-2, moved
+
+
+def _save_qwen3_moe_with_byte_vocab(path) -> str:
+    torch.manual_seed(0)
+    hf_cfg = AutoConfig.for_model("qwen3_moe", vocab_size=260, hidden_size=64, intermediate_size=96,
+                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                  max_position_embeddings=64, norm_topk_prob=True)
+    AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(str(path))
+    return str(path)
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    path = _save(_hf_model("mixtral"), tmp_path, "mixtral")
+    weights = os.path.join(path, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(ValueError, match=r"model\.safetensors cannot be read as safetensors .*incomplete"):
+        from_hf(path)
+
+
+def test_the_main_jobs_model_exports_and_reloads_in_transformers(tmp_path, capsys):
+    """The README's main job (tiny.yaml, the tiny preset) -> `lightning-moe export CKPT OUT` with no --model_type ->
+    transformers loads the folder with no missing or unexpected weights and computes the same logits. A model no
+    family holds is refused naming, for each family, the field that stops it."""
+    from _cli import run_cli
+
+    from lightning_moe.export import export_main
+    from lightning_moe.generation import load_for_generation
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "tiny.yaml")
+    assert run_cli(["fit", "--config", tiny, "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+                    "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}", "--data.seq_len=64",
+                    "--data.batch_size=2", "--data.max_tokens=20000", "--trainer.enable_progress_bar=false",
+                    "--trainer.logger=false"]) == 0
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    assert export_main([str(ckpt), str(tmp_path / "hf")]) == 0
+    assert "(qwen3_moe," in capsys.readouterr().out
+    ours, cfg = load_for_generation(ckpt)
+    assert cfg == ModelConfig.from_preset("tiny")
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager",
+                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids = torch.randint(0, 260, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _close(hf.eval()(ids).logits, ours(ids))
+
+    shared = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_expert_hidden_size=128))
+    with pytest.raises(ValueError) as err:
+        save_hf(MoETransformer(shared), tmp_path / "no", model_type="qwen3_moe")
+    msg = str(err.value)
+    assert msg.startswith("cannot export to qwen3_moe: moe.shared_expert_hidden_size=128") and \
+        "No other family holds this model" in msg and "deepseek_v3: attention must be 'mla'" in msg and \
+        "mixtral: " in msg and "olmoe: " in msg, msg
+    with pytest.raises(ValueError, match=r"Families that hold this model: qwen3_moe \(model_type='qwen3_moe'\)"):
+        save_hf(MoETransformer(cfg), tmp_path / "no", model_type="olmoe")

@@ -388,3 +388,13 @@ def test_skipped_steps_are_left_out_of_the_window(tmp_path):
         trainer.fit(MoELanguageModel(module_config(), warmup_steps=0, skip_empty_steps=True), data)
     lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert {(x["step"], x["window_steps"], x["num_tokens"]) for x in lines} == {(1, 1, 2 * S)}
+    # a second fit appends to the same file: its lines carry another run id
+    first = {x["run"] for x in lines}
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, callbacks=[monitor], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="the step is skipped"):
+        trainer.fit(MoELanguageModel(module_config(), warmup_steps=0, skip_empty_steps=True), data)
+    runs = [json.loads(x)["run"] for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert len(first) == 1 and runs[:len(lines)] == [*first] * len(lines)
+    assert len(runs) == 2 * len(lines) and set(runs[len(lines):]) - first == set(runs[len(lines):])

@@ -532,3 +532,21 @@ def test_distributed_checkpoint_with_the_callback_is_plain_and_loads_without_it(
     model.load_state_dict({k.removeprefix("model."): v for k, v in saved.items()})  # strict: every key
     for k, v in fsdp_fp8_run["lowp_state"].items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_importing_torchao_through_the_callback_prints_nothing():
+    """torchao's import logs a "Failed to load" line for every prebuilt kernel library this machine cannot load, and
+    torch 2.13 a deprecation note about its enums: neither reaches the console of a run that uses the callback."""
+    import subprocess
+
+    pytest.importorskip("torchao")
+
+    def stderr_of(code: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stderr
+
+    if "Failed to load" not in stderr_of("import torchao.float8"):  # the control: the plain import
+        pytest.skip("torchao loads every kernel library on this machine: nothing to quiet")
+    err = stderr_of("import lightning_moe.callbacks.low_precision, torchao.float8, torchao.prototype.moe_training")
+    assert "Failed to load" not in err and "Enum subclass" not in err, err[-2000:]

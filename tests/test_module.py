@@ -454,3 +454,15 @@ def test_gradient_clipping_clips_to_the_value(tmp_path):
     assert math.sqrt(delta_sq) == pytest.approx(lr * clip, rel=1e-4)
     for n in want:
         assert rel_err(got[n] * (pre_norm / clip), want[n]) < 1e-4, n
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0)])
+def test_an_empty_batch_is_a_value_error(shape):
+    """No sequence, or sequences of no token: a ValueError naming the shape, not a reshape error deep in attention."""
+    module = MoELanguageModel(small_config())
+    module.configure_model()
+    ids = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"a batch needs at least one sequence of at least one token"):
+        module(ids)
+    with pytest.raises(ValueError, match=r"a batch needs at least one sequence"):
+        module.validation_step({"input_ids": ids}, 0)

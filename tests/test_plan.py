@@ -155,7 +155,7 @@ def test_dp_replicate_divides_nothing_and_edp_shards_experts():
 
 
 def test_router_and_shared_experts_not_tp_split():
-    cfg = ModelConfig.from_preset("tiny")  # shared experts, a dense first layer
+    cfg = ModelConfig.from_preset("tiny", moe={"shared_expert_hidden_size": 128})  # shared experts, a dense first layer
     b = {k: v["total"] for k, v in cfg.param_breakdown().items()}
     rows = {r.component: r for r in layout_rows(cfg, ParallelDims(world_size=4, tp=2, ep=2))}  # dp_shard=2
     assert rows["shared_experts"].local_params == b["shared_experts"] // 2

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
+import uuid
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -67,10 +69,11 @@ class LoadBalanceMonitor(L.Callback):
     ``add_image``. Other loggers (CSV, ...) get the scalars.
 
     ``jsonl_path``: rank 0 appends one line per layer and log step with the raw window sums (counts summed over the
-    window and every rank): ``{"step", "layer", "tokens_per_expert": [...], "num_tokens", "num_dropped",
+    window and every rank): ``{"run", "step", "layer", "tokens_per_expert": [...], "num_tokens", "num_dropped",
     "aux_loss", "z_loss", "entropy", "expert_bias": [...] | null, "window_steps", "micro_batches"}`` (losses: means
     per micro-batch; entropy: mean per token). The file is opened in append mode (a resumed run continues it) and
-    flushed at every log step.
+    flushed at every log step; ``run`` (:attr:`run_id`: the start time of the ``fit`` and a random suffix) tells the
+    lines of one ``fit`` from those of another written to the same file.
 
     Skipped optimizer steps (``MoELanguageModel(skip_empty_steps=True)``) are left out of the window. With
     ``log_on_train_end`` the steps since the last log are logged when training ends (``moe/window_steps`` says how
@@ -121,6 +124,7 @@ class LoadBalanceMonitor(L.Callback):
         self._last_step = -1
         self._last_result: Any = None
         self._warned_pillow = False
+        self.run_id: Optional[str] = None  # set when training starts; the "run" of the JSONL lines
 
     # ---- Lightning hooks ------------------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -131,6 +135,7 @@ class LoadBalanceMonitor(L.Callback):
                              f"not of a {type(pl_module).__name__}: remove it from the trainer's callbacks")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         model = pl_module.model
         self._layer_ids = [int(i) for i, blk in model.layers.items() if blk.is_moe]
         self._reset_window()
@@ -233,6 +238,7 @@ class LoadBalanceMonitor(L.Callback):
                 s = dict(zip(SCALARS, window_LC[row, E:].tolist()))
                 layer = f"moe/layer{idx}/"
                 line = {
+                    "run": self.run_id,
                     "step": step,
                     "layer": idx,
                     "tokens_per_expert": [int(round(c)) for c in window_LC[row, :E].tolist()],

@@ -64,6 +64,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+import lightning_moe.lowp  # noqa: F401  (quiets what importing torchao prints)
+
 __all__ = ["BlockScaledLinear", "LowPrecisionGroupedMM", "LowPrecisionTraining", "RECIPES", "check_hardware"]
 
 # recipe -> (what it does, the block size / alignment dense dims and expert group sizes need)

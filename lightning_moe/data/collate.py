@@ -38,7 +38,7 @@ def validate_batch(batch: dict[str, Any], vocab_size: Optional[int] = None,
                    max_seq_len: Optional[int] = None) -> dict[str, Any]:
     """Checks a batch against the model's limits and returns it unchanged.
 
-    Raises ValueError for: ``input_ids`` that are not integer [B, S]; sequences longer than ``max_seq_len``;
+    Raises ValueError for: ``input_ids`` that are not integer [B, S] with B, S > 0; sequences longer than ``max_seq_len``;
     token ids < 0 or >= ``vocab_size`` (``labels`` may also hold -100); ``labels`` / ``attention_mask`` of another
     shape; an ``attention_mask`` holding anything but 0 and 1 (NaN included: padding masks, not additive masks).
     """
@@ -48,6 +48,9 @@ def validate_batch(batch: dict[str, Any], vocab_size: Optional[int] = None,
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
         shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"input_ids must be a [batch, seq_len] tensor, got {shape}")
+    if ids.numel() == 0:
+        raise ValueError(f"input_ids has shape {tuple(ids.shape)}: a batch needs at least one sequence of at least "
+                         "one token")
     seq_len = ids.shape[1]
     if max_seq_len is not None and seq_len > max_seq_len:
         raise ValueError(

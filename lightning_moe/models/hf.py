@@ -54,6 +54,7 @@ __all__ = [
     "load_hf_config",
     "config_from_hf",
     "config_to_hf",
+    "export_families",
     "HFCheckpointReader",
     "HFLoadResult",
     "load_hf_weights_",
@@ -67,7 +68,8 @@ log = logging.getLogger(__name__)
 
 # dense families: imported (e.g. for upcycling), not exported
 DENSE_MODEL_TYPES = ("qwen3", "llama")
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "olmoe") + DENSE_MODEL_TYPES
+EXPORT_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "olmoe")
+SUPPORTED_MODEL_TYPES = EXPORT_MODEL_TYPES + DENSE_MODEL_TYPES
 ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -403,12 +405,23 @@ def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return rp
 
 
+def export_families(cfg: ModelConfig) -> dict[str, Optional[str]]:
+    """For each family ``save_hf`` writes: None when it holds ``cfg`` exactly, else the field that stops it."""
+    out: dict[str, Optional[str]] = {}
+    for mt in EXPORT_MODEL_TYPES:
+        try:
+            config_to_hf(cfg, mt)
+            out[mt] = None
+        except ValueError as e:
+            out[mt] = str(e).removeprefix(f"cannot export to {mt}: ")
+    return out
+
+
 def config_to_hf(cfg: ModelConfig, model_type: str, *, dtype: Optional[torch.dtype] = None) -> dict[str, Any]:
     """A transformers 5 ``config.json`` dict for ``cfg`` as a ``model_type`` model; a ValueError naming the field
     when that family cannot express ``cfg``."""
-    exportable = [t for t in SUPPORTED_MODEL_TYPES if t not in DENSE_MODEL_TYPES]
-    if model_type not in exportable:
-        raise ValueError(f"model_type={model_type!r} cannot be exported; supported: {', '.join(exportable)}")
+    if model_type not in EXPORT_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} cannot be exported; supported: {', '.join(EXPORT_MODEL_TYPES)}")
     m = cfg.moe
 
     def need(cond: bool, what: str) -> None:
@@ -472,7 +485,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str, *, dtype: Optional[torch.dty
         need(m.num_groups is None, "group-limited routing has no equivalent")
         need(not m.expert_bias, "moe.expert_bias has no equivalent")
         need(m.scaling_factor in (None, 1.0), f"moe.scaling_factor={m.scaling_factor} has no equivalent")
-        need(m.shared_expert_hidden_size == 0, "shared experts have no equivalent")
+        need(m.shared_expert_hidden_size == 0, f"moe.shared_expert_hidden_size={m.shared_expert_hidden_size}: shared "
+             "experts have no equivalent")
         need(not (m.top_k == 1 and m.norm_topk_prob and m.pre_softmax), "top-1 routing with norm_topk_prob=True")
     if model_type == "qwen3_moe":
         need(cfg.qk_norm == "head", f"qk_norm={cfg.qk_norm!r}: Qwen3-MoE has per-head qk-norm ('head')")
@@ -587,11 +601,15 @@ class HFCheckpointReader(_Source):
             raise ValueError(f"tensors named in the index are not in their shard: {_fmt(missing)}")
 
     def _handle(self, fname: str) -> Any:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         h = self._handles.get(fname)
         if h is None:
-            h = self._stack.enter_context(safe_open(fname, framework="pt", device="cpu"))
+            try:
+                h = self._stack.enter_context(safe_open(fname, framework="pt", device="cpu"))
+            except SafetensorError as e:  # a truncated download, a damaged copy
+                raise ValueError(f"{fname} cannot be read as safetensors ({e}): the file is damaged or incomplete; "
+                                 "copy or download it again") from e
             self._handles[fname] = h
         return h
 
@@ -1111,7 +1129,15 @@ def save_hf(state_dict_or_model: Union[nn.Module, Mapping[str, Tensor]], out_dir
         raise ValueError("save_hf needs cfg (the ModelConfig) when given a state dict")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    hf_cfg = config_to_hf(cfg, model_type, dtype=dtype)  # validates before any gathering
+    try:
+        hf_cfg = config_to_hf(cfg, model_type, dtype=dtype)  # validates before any gathering
+    except ValueError as e:
+        others = {mt: why for mt, why in export_families(cfg).items() if mt != model_type}
+        fits = [mt for mt, why in others.items() if why is None]
+        stops = "; ".join(f"{mt}: {why}" for mt, why in others.items() if why is not None)
+        raise ValueError(f"{e}. " + (f"Families that hold this model: {', '.join(fits)} (model_type="
+                                      f"{fits[0]!r}); " if fits else "No other family holds this model: ") + stops
+                         ) from None
     hf_cfg.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     hf_cfg.update(extra_config or {})
     distributed = dist.is_available() and dist.is_initialized()
