@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -74,8 +73,8 @@ def run(args: argparse.Namespace) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if args.resume or trainer.global_step != args.steps:
                 return
-            if trainer.is_global_zero and os.path.exists(path):
-                shutil.rmtree(path)
+            if os.path.lexists(path):  # a previous run's checkpoint (a link to its version, or a directory)
+                trainer.strategy.remove_checkpoint(path)
             if cuda:
                 torch.cuda.synchronize()
             trainer.strategy.barrier()

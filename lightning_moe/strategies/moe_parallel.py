@@ -93,16 +93,16 @@ class MoEParallelStrategy(ParallelStrategy):
         async_save: distributed checkpoints saved during training are written in the background (DCP
             ``async_save``); training stalls only for the state-dict copy to the CPU. The checkpoint appears at its
             path (atomically, with its checksums) once written: at the next save, a load, or the end of fit.
-
-    A distributed checkpoint's path is a symbolic link to its current version in ``.checkpoint_versions/`` next to
-    it, swapped atomically by each save (:mod:`lightning_moe.checkpoint.publish`): a kill at any moment of a save
-    leaves the previous checkpoint or the new one at the path, never a mix or nothing. Copy one with ``cp -rL``.
         process_group_backend: None = nccl on CUDA, gloo on CPU.
         timeout: process group timeout.
         free_grads_after_step: set the gradients to None right after each optimizer step (True by default).
             Lightning zeroes them between the next forward and its backward, so without this the previous step's
             gradients (2 bytes a parameter in bf16) stay allocated through every forward, at the step's memory
             peak. Turn it off only if something reads ``.grad`` after the optimizer step.
+
+    A distributed checkpoint's path is a symbolic link to its current version in ``.checkpoint_versions/`` next to
+    it, swapped atomically by each save (:mod:`lightning_moe.checkpoint.publish`): a kill at any moment of a save
+    leaves the previous checkpoint or the new one at the path, never a mix or nothing. Copy one with ``cp -rL``.
     """
 
     strategy_name = "moe_parallel"
