@@ -308,13 +308,21 @@ class MoELanguageModel(L.LightningModule):
     def save_pretrained(self, out_dir: str, *, model_type: Optional[str] = None, **kwargs: Any) -> None:
         """Write a Hugging Face folder (config.json + sharded safetensors) that ``transformers`` loads. Collective
         under a distributed strategy (every rank calls it; rank 0 writes). ``model_type``: the family to write
-        (default: the one imported from, else inferred from the config)."""
+        (default: the one imported from, else inferred from the config). The weights are the optimizer's fp32
+        masters where it keeps them (``master_dtype``), else the parameters; ``dtype=torch.bfloat16`` (a save_hf
+        option, as every other keyword) casts them."""
+        from lightning_moe.checkpointing import param_names
         from lightning_moe.models.hf import save_hf
 
         if self.model is None:
             self.configure_model()
         assert self.model is not None
-        save_hf(self.model, out_dir, self.config,
+        state = self.model.state_dict()
+        optimizers = self.trainer.optimizers if self._trainer is not None else []
+        masters = optimizers[0].master_params() if optimizers and isinstance(optimizers[0], MasterAdamW) else {}
+        names = param_names(self.model)
+        state.update({names[id(p)]: m for p, m in masters.items() if id(p) in names})
+        save_hf(state, out_dir, self.config,
                 model_type=model_type or self.hf_model_type or infer_model_type(self.config), **kwargs)
 
     def generate(self, prompt_or_ids: Any, max_new_tokens: int = 64, **kwargs: Any) -> Any:
