@@ -325,3 +325,61 @@ def test_ep2_resume_and_layout_changes_with_master_weights(one_process_master, t
     back = run_distributed(_one_rank_master, 1, f"{tmp_path}/ep2_step3")
     assert all(torch.equal(back["masters"][k], v) for k, v in out["first"]["masters"].items())
     assert all(torch.equal(back["state"][k], v) for k, v in out["first"]["state"].items())
+    # the distributed checkpoint loads for generation / export as its full fp32 masters
+    from lightning_moe.generation import load_for_generation
+
+    model, _ = load_for_generation(f"{tmp_path}/ep2_step3")
+    got = dict(model.named_parameters())
+    assert all(torch.equal(got[k[len("model."):]], v) for k, v in out["first"]["masters"].items())
+
+
+def test_load_for_generation_reads_the_masters(one_process_master):
+    """A checkpoint file with masters loads as the fp32 masters (dtype None) or their bf16 rounding (the parameters)."""
+    from lightning_moe.generation import load_for_generation
+
+    first = one_process_master["first"]
+    model, _ = load_for_generation(one_process_master["ckpt"])
+    got = dict(model.named_parameters())
+    for k, m in first["masters"].items():
+        assert got[k[len("model."):]].dtype == torch.float32 and torch.equal(got[k[len("model."):]], m), k
+    model, _ = load_for_generation(one_process_master["ckpt"], dtype=torch.bfloat16)
+    for k, v in model.state_dict().items():
+        if "router" not in k and v.is_floating_point() and "expert_bias" not in k:
+            assert v.dtype == torch.bfloat16 and torch.equal(v.float(), first["state"][k]), k
+
+
+def test_save_pretrained_and_export_write_the_masters(tmp_path):
+    """save_pretrained after training with masters writes them (fp32) unless a dtype is asked for; `lightning-moe
+    export` of the checkpoint does the same."""
+    from parallel_harness import GLOBAL_BATCH, FixedData, small_config
+    from safetensors.torch import load_file
+
+    from lightning_moe import MoELanguageModel
+    from lightning_moe.export import export_main
+
+    cfg = small_config(score_func="softmax", expert_bias=False, shared_expert_hidden_size=0, aux_loss_type="aux")
+    module = MoELanguageModel(cfg, warmup_steps=0, lr=1e-2, master_dtype="fp32")
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-true", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=FixedData(GLOBAL_BATCH, 2 * GLOBAL_BATCH))
+    emb = module.model.tok_embeddings.weight
+    master = trainer.optimizers[0].state[emb]["master"]
+    assert not torch.equal(master, emb.float())  # the master holds more than its bf16 rounding
+    ckpt = str(tmp_path / "m.ckpt")
+    trainer.save_checkpoint(ckpt)
+
+    def embedding(folder: Any) -> torch.Tensor:
+        tensors: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        return tensors["model.embed_tokens.weight"]
+
+    module.save_pretrained(str(tmp_path / "fp32"))
+    assert torch.equal(embedding(tmp_path / "fp32"), master)
+    module.save_pretrained(str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    assert torch.equal(embedding(tmp_path / "bf16"), emb.detach())
+    assert export_main([ckpt, str(tmp_path / "exported")]) == 0
+    assert torch.equal(embedding(tmp_path / "exported"), master)
+    assert export_main([ckpt, str(tmp_path / "exported16"), "--dtype", "bf16"]) == 0
+    assert torch.equal(embedding(tmp_path / "exported16"), emb.detach())
