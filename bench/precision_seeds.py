@@ -78,26 +78,29 @@ def main_job_settings(small: bool) -> dict[str, Any]:
             "clip": float(trainer["gradient_clip_val"]), "source": str(TINY_YAML.relative_to(_HERE.parent))}
 
 
-def initial_state(cfg: Any, seed: int) -> dict[str, torch.Tensor]:
-    """The seeded fp32 init of the unsharded model: every mode of a seed starts from it (bf16 modes round it)."""
+def initial_state(cfg: Any, seed: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """The seeded fp32 init of the unsharded model (drawn on ``device``, kept on the host): every run of a seed
+    starts from it (bf16 modes round it)."""
     from lightning_moe.models.transformer import MoETransformer
 
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = MoETransformer(cfg)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.init_weights()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    del model
+    return out
 
 
-def module_factory(mode: str, cfg: Any, init: dict[str, torch.Tensor], s: dict[str, Any], steps: int,
-                   warmup: int) -> Callable[[], Any]:
-    """A MoELanguageModel (or its torchao-optimizer variant) that starts from ``init``."""
+def paired_module(cfg: Any, init: dict[str, torch.Tensor], optimizer: str = "adamw",
+                  **module_kwargs: Any) -> Callable[[], Any]:
+    """A factory of MoELanguageModel(cfg, **module_kwargs) that starts from ``init``; ``optimizer="torchao-sr"``:
+    torchao's AdamW with bf16 stochastic rounding instead of the module's (same groups, hyper-parameters and
+    schedule)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from lightning_moe.module import MoELanguageModel
-
-    _, master, optimizer = MODES[mode]
 
     class Paired(MoELanguageModel):
         def configure_model(self) -> None:
@@ -119,11 +122,7 @@ def module_factory(mode: str, cfg: Any, init: dict[str, torch.Tensor], s: dict[s
             sched = torch.optim.lr_scheduler.LambdaLR(opt, out["lr_scheduler"]["scheduler"].lr_lambdas[0])
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def make() -> Any:
-        return Paired(cfg, lr=s["lr"], warmup_steps=warmup, min_lr_ratio=s["min_lr_ratio"],
-                      weight_decay=s["weight_decay"], max_steps=steps, master_dtype=master)
-
-    return make
+    return lambda: Paired(cfg, **module_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------- runs
@@ -133,8 +132,11 @@ def run_one(mode: str, seed: int, cfg: Any, init: dict[str, torch.Tensor], s: di
     ts_args = argparse.Namespace(steps=args.steps, warmup=0, precision=precision, loss_impl="auto", profile=False,
                                  out=args.out)
     warmup = min(s["warmup_steps"], max(1, args.steps // 10))
+    _, master, optimizer = MODES[mode]
+    module = paired_module(cfg, init, optimizer, lr=s["lr"], warmup_steps=warmup, min_lr_ratio=s["min_lr_ratio"],
+                           weight_decay=s["weight_decay"], max_steps=args.steps, master_dtype=master)
     r = train_step.run_ours(f"tiny-{mode}-seed{seed}", cfg, s["seq_len"], s["batch_size"], ts_args, s["lr"], device,
-                            None, False, seed=seed, module=module_factory(mode, cfg, init, s, args.steps, warmup),
+                            None, False, seed=seed, module=module,
                             trainer_kwargs={"gradient_clip_val": s["clip"]},
                             data_kwargs={"val_fraction": s["val_fraction"], "seed": seed})
     r.update(mode=mode, seed=seed, precision=precision, impl=mode)

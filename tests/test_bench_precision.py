@@ -39,3 +39,52 @@ def test_seed_study_smoke_run(tmp_path):
     assert set(report["summary"]["target"]) >= {"within_1_percent", "smaller_than_bf16_true", "met"}
     md = out.with_suffix(".md").read_text()
     assert md.count("\n| ") == 5 and "bf16-master" in md and "paired diff" in md
+
+
+def test_precision_step_smoke_run(tmp_path):
+    """bench/precision_step.py on CPU: the three runs from one init, each with its optimizer step against its bound,
+    and the three comparisons in the report."""
+    out = tmp_path / "ps.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "precision_step.py"), "--smoke", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    runs = {r["run"]: r for r in report["runs"]}
+    assert list(runs) == ["bf16-true", "bf16-master", "bf16-mixed"]
+    assert {r["param_dtype"] for r in runs.values()} == {"bfloat16", "float32"}  # bf16-mixed keeps fp32 parameters
+    assert len({r["first_batch_checksum"] for r in runs.values()}) == 1
+    first = {name: r["losses"][0] for name, r in runs.items()}
+    assert first["bf16-true"] == first["bf16-master"]  # the same (rounded) init: the same first loss
+    for r in runs.values():
+        o = r["optimizer_step"]
+        assert r["ok"] and r["tokens_per_s"] > 0 and o["ratio_to_bound"] > 0, r
+    per_param = {name: r["optimizer_step"]["bytes"]["total"] / r["params"] for name, r in runs.items()}
+    # bf16 AdamW moves 14 bytes a bf16 parameter, the masters 28, fp32 AdamW 28 (the routers are fp32 in all three)
+    assert 14 < per_param["bf16-true"] < 15 and per_param["bf16-master"] == per_param["bf16-mixed"] == 28
+    c = report["comparison"]
+    assert set(c) == {"speed", "optimizer", "convergence"}
+    assert c["speed"]["tokens_per_s_ratio"] == runs["bf16-master"]["tokens_per_s"] / runs["bf16-true"]["tokens_per_s"]
+    assert c["convergence"]["steps"] == 6 and c["convergence"]["same_batches"]
+    text = out.with_suffix(".log").read_text()
+    assert "tokens/s bf16-master / bf16-true" in text and "optimizer step" in text and "final loss" in text
+
+
+def test_optimizer_bytes_of_master_weights():
+    """28 bytes a bf16 parameter with an fp32 master: grad 2 + master, exp_avg, exp_avg_sq 12 read; the same 12 and
+    the parameter's 2 written (the parameter itself is not read)."""
+    import torch
+
+    from _bench import load_bench
+
+    from lightning_moe.optim import MasterAdamW
+
+    ds = load_bench("deepseek_v3_step")
+    bf16 = torch.nn.Parameter(torch.randn(10, 3).bfloat16())
+    fp32 = torch.nn.Parameter(torch.randn(7))
+    opt = MasterAdamW([bf16, fp32], fused=False)
+    for p in (bf16, fp32):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    moved = ds.optimizer_bytes(opt)
+    assert moved["read"] == 30 * 14 + 7 * 16 and moved["written"] == 30 * 14 + 7 * 12
