@@ -6,6 +6,7 @@ bf16-true (one process and W=2 ep=2, and across the two), and exports that write
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any
 
 import lightning as L
@@ -292,6 +293,8 @@ def _two_ranks_master(rank: int, world_size: int, tmp: str, one_process_ckpt: st
     out["resumed"] = _fit(MoEParallelStrategy(ep=2), STEPS, ckpt_in=f"{tmp}/ep2_step3", seed=1, **BF16_MASTER)
     # the one-process checkpoint loaded at W=2 (no step taken: max_steps is where it stopped)
     out["loaded_from_one"] = _fit(MoEParallelStrategy(ep=2), CUT, ckpt_in=one_process_ckpt, seed=1, **BF16_MASTER)
+    # tensor parallel (dense parameters split over tp without FSDP2; experts FSDP2-sharded over the same two ranks)
+    out["tp2"] = _fit(MoEParallelStrategy(tp=2, dp_shard=1), CUT, **BF16_MASTER)
     return out
 
 
@@ -311,12 +314,17 @@ def test_ep2_resume_and_layout_changes_with_master_weights(one_process_master, t
     from test_resume import CUT
 
     out = run_distributed(_two_ranks_master, 2, str(tmp_path), one_process_master["ckpt"], timeout=380)
-    for run in ("ref", "first", "resumed", "loaded_from_one"):
+    for run in ("ref", "first", "resumed", "loaded_from_one", "tp2"):
         _check_masters(out[run])
         layouts = out[run]["master_layouts"]
         assert all(param == master and same for param, master, same in layouts.values()), layouts
         kinds = {param for param, _, _ in layouts.values()}
-        assert {"('dp_shard_cp',) (Shard(dim=0),)", "('ep',) (Shard(dim=0),)"} <= kinds, kinds  # FSDP2's, ep's
+        if run == "tp2":  # column / row splits over tp, FSDP2 over the experts' edp_shard
+            assert {"('tp',) (Shard(dim=0),)", "('tp',) (Shard(dim=1),)"} <= kinds, kinds
+            assert any("edp_shard" in k for k in kinds), kinds
+        else:  # FSDP2's shards of the dense parameters, ep's of the experts
+            assert {"('dp_shard_cp',) (Shard(dim=0),)", "('ep',) (Shard(dim=0),)"} <= kinds, kinds
+    assert all(math.isfinite(v) for v in out["tp2"]["losses"]) and len(out["tp2"]["losses"]) == CUT
     assert not _exact(out["resumed"], out["ref"], CUT), _exact(out["resumed"], out["ref"], CUT)
     one = one_process_master["first"]
     loaded = out["loaded_from_one"]
@@ -383,3 +391,42 @@ def test_save_pretrained_and_export_write_the_masters(tmp_path):
     assert torch.equal(embedding(tmp_path / "exported"), master)
     assert export_main([ckpt, str(tmp_path / "exported16"), "--dtype", "bf16"]) == 0
     assert torch.equal(embedding(tmp_path / "exported16"), emb.detach())
+
+
+def _reduce_in_fp32(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_moe.parallel.grads import all_reduce_grads
+
+    seen: list[torch.dtype] = []
+    real = dist.all_reduce
+
+    def recording(t: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        seen.append(t.dtype)
+        return real(t, *a, **kw)
+
+    dist.all_reduce = recording
+    try:
+        ps = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (5, 3)]
+        for i, p in enumerate(ps):
+            p.grad = torch.full_like(p, 1 + i + rank / 4)
+        all_reduce_grads(ps, None, reduce_dtype=torch.float32)
+        lone = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+        lone.grad = torch.full_like(lone, 0.5)
+        all_reduce_grads([lone], None, reduce_dtype=torch.float32)
+    finally:
+        dist.all_reduce = real
+    return {"seen": seen, "grads": [p.grad.clone() for p in ps], "lone": lone.grad.clone()}
+
+
+def test_tp_gradient_sums_run_in_the_dtype_asked_for():
+    """all_reduce_grads(reduce_dtype=fp32) (the tp sums of the finalisation under fp32 masters) reduces bf16
+    gradients in fp32 buckets and writes the sums back into the bf16 gradients."""
+    from _dist import run_distributed
+
+    out = run_distributed(_reduce_in_fp32, 2)
+    assert out["seen"] == [torch.float32, torch.float32]
+    assert [g.dtype for g in out["grads"]] == [torch.bfloat16] * 2
+    assert torch.equal(out["grads"][0], torch.full((5,), 2.25, dtype=torch.bfloat16))
+    assert torch.equal(out["grads"][1], torch.full((3,), 4.25, dtype=torch.bfloat16))
+    assert torch.equal(out["lone"], torch.ones(4, dtype=torch.bfloat16))
