@@ -33,7 +33,6 @@ Smoke test (tests/test_bench_precision.py): ``--device cpu --seeds 2 --steps 10 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import platform
@@ -51,6 +50,7 @@ for _p in (str(_HERE.parent), str(_HERE)):
 import torch  # noqa: E402
 
 import train_step  # noqa: E402  (also sets the device machines' NCCL policy variables)
+from low_precision import _moving_average, pyplot_or_csv  # noqa: E402
 
 log = train_step.log
 TINY_YAML = _HERE.parent / "examples" / "configs" / "tiny.yaml"
@@ -229,25 +229,14 @@ def save_curves(runs: list[dict[str, Any]], out: Path, modes: list[str], smooth:
     runs = [r for r in runs if r.get("losses")]
     if not runs:
         return None
-    stem = out.with_name(out.stem + "_curves")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        path = stem.with_suffix(".csv")
-        with open(path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["mode", "seed", "step", "loss"])
-            for r in runs:
-                w.writerows((r["mode"], r["seed"], i + 1, v) for i, v in enumerate(r["losses"]))
-        log(f"curves: {path} (matplotlib not importable)")
+    plt, path = pyplot_or_csv(out.with_name(out.stem + "_curves"), ["mode", "seed", "step", "loss"],
+                              ((r["mode"], r["seed"], i + 1, v) for r in runs for i, v in enumerate(r["losses"])))
+    if plt is None:
         return path
-    ref = {r["seed"]: _moving(r["losses"], smooth) for r in runs if r["mode"] == REFERENCE}
+    ref = {r["seed"]: _moving_average(r["losses"], smooth) for r in runs if r["mode"] == REFERENCE}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     for m in modes:
-        curves = [(r["seed"], _moving(r["losses"], smooth)) for r in runs if r["mode"] == m]
+        curves = [(r["seed"], _moving_average(r["losses"], smooth)) for r in runs if r["mode"] == m]
         n = min((len(c) for _, c in curves), default=0)
         if not n:
             continue
@@ -263,22 +252,12 @@ def save_curves(runs: list[dict[str, Any]], out: Path, modes: list[str], smooth:
     ax2.set(title="paired difference to 32-true, mean over seeds (%)", xlabel="optimizer step", ylabel="%")
     if ax2.lines[1:]:
         ax2.legend()
-    path = stem.with_suffix(".png")
+    path = out.with_name(out.stem + "_curves.png")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     log(f"curves: {path}")
     return path
-
-
-def _moving(v: list[float], n: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(v):
-        acc += x
-        if i >= n:
-            acc -= v[i - n]
-        out.append(acc / min(i + 1, n))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- main
