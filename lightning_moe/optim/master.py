@@ -232,15 +232,34 @@ def _fused_update(entries: list[tuple[Tensor, ...]], *, lr: float, beta1: float,
     tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
     g0, p0 = entries[0][0], entries[0][4]
     device = g0.device
-    rows = [[t.data_ptr() if t is not None else 0 for t in e] for e in entries]
-    ptrs = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    numels, tensor_of_block, start = _block_tables(tuple(e[1].numel() for e in entries), device, mod.BLOCK)
+    sizes = tuple(e[1].numel() for e in entries)
+    ptrs = _pointer_table([[t.data_ptr() if t is not None else 0 for t in e] for e in entries], sizes, device)
+    numels, tensor_of_block, start = _block_tables(sizes, device, mod.BLOCK)
     bias1 = 1 - beta1**step
+    scalars = [float(x) for x in (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / bias1,
+                                  (1 - beta2**step) ** 0.5, eps)]  # fp32 arguments, whatever Python types came in
     mod.adamw_kernel[(tensor_of_block.numel(),)](
-        ptrs, numels, tensor_of_block, start, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / bias1,
-        (1 - beta2**step) ** 0.5, eps, G_DTYPE=tl_dtype[g0.dtype], P_DTYPE=tl_dtype[(p0 if p0 is not None else g0).dtype],
-        HAS_MASTER=p0 is not None, LERP_LOW=(1 - beta1) < 0.5, BLOCK=mod.BLOCK, num_warps=mod.NUM_WARPS,
+        ptrs, numels, tensor_of_block, start, *scalars, G_DTYPE=tl_dtype[g0.dtype],
+        P_DTYPE=tl_dtype[(p0 if p0 is not None else g0).dtype], HAS_MASTER=p0 is not None, LERP_LOW=(1 - beta1) < 0.5,
+        BLOCK=mod.BLOCK, num_warps=mod.NUM_WARPS,
     )
+
+
+_POINTERS: dict[tuple, tuple[list[list[int]], Tensor]] = {}  # (device, numels) -> the last pointer rows, on device
+
+
+def _pointer_table(rows: list[list[int]], sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    """The [N, 5] int64 pointer table on ``device``: the last one again when no tensor moved (the caching allocator
+    usually hands the step's gradients the same blocks), else a copy from pinned memory that does not wait for the
+    stream (a pageable one would)."""
+    key = (device, sizes)
+    last = _POINTERS.get(key)
+    if last is not None and last[0] == rows:
+        return last[1]
+    host = torch.tensor(rows, dtype=torch.int64)
+    table = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    _POINTERS[key] = (rows, table)
+    return table
 
 
 # ---- load_state_dict: keep the fp32 state fp32 --------------------------------------------------------------------
