@@ -123,11 +123,24 @@ def test_triton_kernel_equals_the_reference(beta1):
                 assert not torch.equal(got[1], w0), f"{dtype} n={n}: the weight did not move"
             if got[4] is not None:
                 assert torch.equal(got[4], got[1].to(dtype)), f"{dtype} n={n}: parameter is not the rounded master"
+    # tensors that are not 16-byte aligned (views one element in): the launch without alignment hints
+    n = B + 3
+    base = [torch.randn(n + 1, generator=gen) for _ in range(3)] + [torch.rand(n + 1, generator=gen)]
+    runs = []
+    for _ in range(2):
+        g, w, m, v = (t.clone()[1:] for t in base)
+        runs.append([(g.bfloat16(), w, m, v.abs() * 0.01, torch.empty(n + 1, dtype=torch.bfloat16)[1:])])
+    assert runs[0][0][1].data_ptr() % 16 != 0
+    _fused_update(runs[0], **hyper)
+    _reference_update(runs[1], **hyper)
+    for i in (1, 2, 3):  # one or two fp32 ulps of weights near 1 (the update's rounding order differs)
+        torch.testing.assert_close(runs[0][0][i], runs[1][0][i], rtol=1e-6, atol=2.5e-7)
+    assert torch.equal(runs[0][0][4], runs[0][0][1].bfloat16())
 
 
 @needs_triton
 def test_fused_optimizer_step_matches_reference_optimizer():
-    """MasterAdamW(fused=True) (interpreter) and fused=False train the same: one launch per dtype group and
+    """MasterAdamW(fused=True) (interpreter) and fused=False train the same: the launches per dtype group and
     parameter group, weight decay per group, the LR schedule."""
     start = _params()
     runs = {}

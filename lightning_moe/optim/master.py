@@ -10,7 +10,8 @@ FSDP2 / EP / TP, a plain tensor on one device -- so the master state is sharded 
 torch.distributed.checkpoint saves it by parameter name and global shape and reshards it to any layout.
 
 The step works on local tensors, one update per (parameter group, dtype group): either the Triton kernel
-(:mod:`lightning_moe.optim._triton_adamw`; one launch per group, 28 bytes moved per bf16 element) or the reference,
+(:mod:`lightning_moe.optim._triton_adamw`; two launches per group -- full blocks, then partial ones -- 28 bytes
+moved per bf16 element) or the reference,
 torch's foreach ops in the order of ``torch.optim.AdamW`` (equal to it bit for bit). ``fused=None`` picks the kernel
 when the parameters are on CUDA and triton imports; ``fused=True`` requires it (CPU tensors only under Triton's
 interpreter); ``fused=False`` is the reference.
@@ -202,20 +203,25 @@ def _reference_update(entries: list[tuple[Tensor, ...]], *, lr: float, beta1: fl
         chunk, size = [], 0
 
 
-_TABLES: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # (device, numels) -> numels, block tensor, block start
+_TABLES: dict[tuple, tuple[Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]] = {}
 
 
-def _block_tables(numels: tuple[int, ...], device: torch.device, block: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The static part of a launch, kept per (device, tensor sizes): each tensor's numel, and per block the tensor it
-    belongs to and its first element."""
+def _block_tables(numels: tuple[int, ...], device: torch.device, block: int
+                  ) -> tuple[Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """The static part of a launch, kept per (device, tensor sizes): each tensor's numel, and for the full blocks
+    and for the partial last blocks the tensor each block belongs to and its first element."""
     key = (device, numels, block)
     if key not in _TABLES:
         n = torch.tensor(numels, dtype=torch.int64)
-        blocks = (n + block - 1) // block
-        tensor_of_block = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
-        first = torch.cumsum(blocks, 0) - blocks
-        start = (torch.arange(int(blocks.sum()), dtype=torch.int64) - first[tensor_of_block.long()]) * block
-        _TABLES[key] = (n.to(device), tensor_of_block.to(device), start.to(device))
+        full, tail = n // block, (n % block > 0).long()
+        tables = []
+        for counts, first in ((full, torch.zeros_like(n)), (tail, full)):
+            tensor_of_block = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
+            before = torch.cumsum(counts, 0) - counts  # blocks of the tensors before each one
+            index = torch.arange(int(counts.sum()), dtype=torch.int64) - before[tensor_of_block.long()]
+            start = (first[tensor_of_block.long()] + index) * block
+            tables.append((tensor_of_block.to(device), start.to(device)))
+        _TABLES[key] = (n.to(device), tables[0], tables[1])
     return _TABLES[key]
 
 
@@ -233,16 +239,20 @@ def _fused_update(entries: list[tuple[Tensor, ...]], *, lr: float, beta1: float,
     g0, p0 = entries[0][0], entries[0][4]
     device = g0.device
     sizes = tuple(e[1].numel() for e in entries)
-    ptrs = _pointer_table([[t.data_ptr() if t is not None else 0 for t in e] for e in entries], sizes, device)
-    numels, tensor_of_block, start = _block_tables(sizes, device, mod.BLOCK)
+    rows = [[t.data_ptr() if t is not None else 0 for t in e] for e in entries]
+    ptrs = _pointer_table(rows, sizes, device)
+    numels, full, tail = _block_tables(sizes, device, mod.BLOCK)
     bias1 = 1 - beta1**step
     scalars = [float(x) for x in (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / bias1,
                                   (1 - beta2**step) ** 0.5, eps)]  # fp32 arguments, whatever Python types came in
-    mod.adamw_kernel[(tensor_of_block.numel(),)](
-        ptrs, numels, tensor_of_block, start, *scalars, G_DTYPE=tl_dtype[g0.dtype],
-        P_DTYPE=tl_dtype[(p0 if p0 is not None else g0).dtype], HAS_MASTER=p0 is not None, LERP_LOW=(1 - beta1) < 0.5,
-        BLOCK=mod.BLOCK, num_warps=mod.NUM_WARPS,
-    )
+    aligned = all(ptr % 16 == 0 for row in rows for ptr in row)
+    for (tensor_of_block, start), masked in ((full, False), (tail, True)):
+        if tensor_of_block.numel():
+            mod.adamw_kernel[(tensor_of_block.numel(),)](
+                ptrs, numels, tensor_of_block, start, *scalars, G_DTYPE=tl_dtype[g0.dtype],
+                P_DTYPE=tl_dtype[(p0 if p0 is not None else g0).dtype], HAS_MASTER=p0 is not None,
+                LERP_LOW=(1 - beta1) < 0.5, MASKED=masked, ALIGNED=aligned, BLOCK=mod.BLOCK, num_warps=mod.NUM_WARPS,
+            )
 
 
 _POINTERS: dict[tuple, tuple[list[list[int]], Tensor]] = {}  # (device, numels) -> the last pointer rows, on device
