@@ -27,6 +27,8 @@ GPU (one H200, seconds per run; repository root):
     python bench/precision_seeds.py --seeds 5 --time-limit 420 --out bench/results/precision_seeds_h200.json
 CPU (about 65-100 s a run on one thread of the 2-core box; 20 runs):
     python bench/precision_seeds.py --device cpu --threads 1 --seeds 5 --out bench/results/precision_seeds_cpu.json
+Seeds split over calls (``--first-seed 3 --seeds 2``), one table:
+    python bench/precision_seeds.py --merge a.json b.json --out bench/results/precision_seeds_h200.json
 Smoke test (tests/test_bench_precision.py): ``--device cpu --seeds 2 --steps 10 --last 3 --small``.
 """
 
@@ -274,6 +276,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
     p.add_argument("--small", action="store_true", help="2 x 64-token batches (smoke test)")
     p.add_argument("--out", default="bench/results/precision_seeds.json")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="no training: the table of the runs in these reports together (seeds split over calls)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -296,9 +300,31 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
+def merge(paths: list[str], out: Path) -> int:
+    """One summary and table over several reports' runs (a seed run twice: the last report's)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    runs = list({(r["seed"], r["mode"]): r for rep in reports for r in rep["runs"]}.values())
+    modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
+    s, args = reports[0]["settings"], reports[0]["args"]
+    header = (f"tiny preset, the main job's schedule ({s['source']}; {args['steps']} steps, batch {s['batch_size']} x "
+              f"{s['seq_len']}), device {reports[0]['env'].get('gpu', args['device'])}; final = mean train loss of the "
+              f"last {args['last']} steps; in brackets the paired difference to 32-true; merged from {', '.join(paths)}")
+    summary = summarize(runs, modes)
+    text = table(summary, modes, header)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"merged_from": paths, "summary": summary, "table": text, "runs": runs}, indent=2,
+                              default=str))
+    out.with_suffix(".md").write_text(text + "\n")
+    save_curves(runs, out, modes)
+    log(text)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     device = train_step.pick_device(args.device)
     if device is None:
         return 2

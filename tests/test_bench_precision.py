@@ -88,3 +88,25 @@ def test_optimizer_bytes_of_master_weights():
     opt.step()
     moved = ds.optimizer_bytes(opt)
     assert moved["read"] == 30 * 14 + 7 * 16 and moved["written"] == 30 * 14 + 7 * 12
+
+
+def test_seed_study_merge_of_reports(tmp_path):
+    """--merge puts seeds run in separate calls into one table, the same as one call's."""
+    from _bench import load_bench
+
+    ps = load_bench("precision_seeds")
+    runs = []
+    for seed in (0, 1):
+        for mode, final in (("32-true", 2.0 + seed), ("bf16-true", 2.1 + seed), ("bf16-master", 2.01 + seed)):
+            runs.append({"seed": seed, "mode": mode, "final": final, "losses": [final] * 3, "first_batch_checksum": seed})
+    base = {"settings": {"source": "tiny.yaml", "batch_size": 8, "seq_len": 256}, "env": {},
+            "args": {"steps": 3, "last": 3, "device": "cpu"}}
+    for seed in (0, 1):
+        (tmp_path / f"{seed}.json").write_text(json.dumps({**base, "runs": [r for r in runs if r["seed"] == seed]}))
+    out = tmp_path / "merged.json"
+    assert ps.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())["summary"]
+    direct = json.loads(json.dumps(ps.summarize(runs, ["32-true", "bf16-true", "bf16-master"])))
+    assert merged == direct and merged["complete_seeds"] == [0, 1]
+    assert merged["modes"]["bf16-master"]["rel_diff_mean"] == pytest.approx((0.01 / 2 + 0.01 / 3) / 2)
+    assert merged["target"]["met"] is True
