@@ -136,14 +136,14 @@ class MasterAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            stepping = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in stepping):
+                raise RuntimeError("MasterAdamW does not support sparse gradients")
+            states = [self.state[p] if self.state.get(p) else self._init_state(p) for p in stepping]
+            if states:
+                torch._foreach_add_([s["step"] for s in states], 1.0)  # one call for the group's host counters
             buckets: dict[tuple, list[tuple[Tensor, ...]]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("MasterAdamW does not support sparse gradients")
-                state = self.state[p] if self.state.get(p) else self._init_state(p)
-                state["step"] += 1
+            for p, state in zip(stepping, states):
                 grad = p.grad
                 if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
                     grad = grad.redistribute(p.device_mesh, p.placements)
