@@ -167,7 +167,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_bytes(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Bytes an AdamW step moves: param, grad and every parameter-sized state tensor read; param and states written."""
+    """Bytes an AdamW step moves: param, grad and every parameter-sized state tensor read; param and states written.
+    With an fp32 master (MasterAdamW's ``"master"`` state) the master is read instead of the parameter: a bf16
+    parameter moves 2 (grad) + 12 (master, moments) read + 12 + 2 (parameter) written = 28 bytes."""
     read = write = 0
     dtypes: dict[str, int] = {}
     for group in opt.param_groups:
@@ -175,11 +177,11 @@ def optimizer_bytes(opt: torch.optim.Optimizer) -> dict[str, Any]:
             if p.grad is None:
                 continue
             lp, lg = _local(p), _local(p.grad)
-            states = [_local(s) for s in opt.state.get(p, {}).values()
-                      if torch.is_tensor(s) and s.numel() == p.numel()]
+            state = opt.state.get(p, {})
+            states = [_local(s) for s in state.values() if torch.is_tensor(s) and s.numel() == p.numel()]
             sb = sum(s.numel() * s.element_size() for s in states)
             pb = lp.numel() * lp.element_size()
-            read += pb + lg.numel() * lg.element_size() + sb
+            read += (0 if "master" in state else pb) + lg.numel() * lg.element_size() + sb
             write += pb + sb
             key = "/".join(str(t.dtype).replace("torch.", "") for t in (lp, lg, *states))
             dtypes[key] = dtypes.get(key, 0) + lp.numel()
@@ -522,8 +524,10 @@ def report_text(report: dict[str, Any], runs: list[dict[str, Any]], budget: Budg
                  f"non-causal attention would give {fpt['flops_per_token'] / 1e9:.2f} (JSON: mfu_noncausal)")
     if bw:
         lines.append(f"optimizer bound: bytes moved (params + grads + exp_avg + exp_avg_sq read, params + both "
-                     f"moments written, actual dtypes) / measured copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s "
-                     f"(read + write of a {bw['tensor_bytes'] / ts.GIB:.2f} GiB copy); target opt / bound <= 1.3")
+                     f"moments written, actual dtypes; with fp32 masters the master read instead of the parameter and "
+                     f"written too) / measured copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s (read + write of a "
+                     f"{bw['tensor_bytes'] / ts.GIB:.2f} GiB copy); target opt / bound <= 1.3 (bf16 AdamW), <= 1.25 "
+                     f"(+master)")
     lines.append(f"parameters: ours {ts._fmt(p['ours'], ',')}, transformers {ts._fmt(p['hf'], ',')} (difference "
                  f"{ts._fmt(p['hf_minus_ours'], ',')}); ModelConfig.count_params() = {p['config_count_params']:,} also "
                  f"counts the {p['expert_bias_buffer_entries']} expert-bias entries that both models keep as buffers "
@@ -551,7 +555,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--precision", default=None, help="Lightning precision; default bf16-true (cuda), 32-true (cpu)")
     p.add_argument("--ours-variants", default="",
                    help="comma list of lightning_moe runs, each a loss_impl (auto, torch, chunked, liger) optionally "
-                        "with +compile, e.g. 'chunked+compile'; default: one run with loss_impl=auto")
+                        "with +compile and/or +master (fp32 master weights and moments, MasterAdamW), e.g. "
+                        "'auto+compile,auto+compile+master'; default: one run with loss_impl=auto")
     p.add_argument("--opt-reps", type=int, default=5, help="timed repetitions of the optimizer step alone")
     p.add_argument("--profile", action="store_true",
                    help=f"torch.profiler over the last {PROFILE_STEPS} steps of the first lightning_moe run (not timed)"
@@ -586,8 +591,6 @@ def variants(args: argparse.Namespace) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> None:
     """User errors as ValueError, before anything is built."""
-    from lightning_moe.models.lm_loss import LOSS_IMPLS
-
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 1:
         raise ValueError("--steps, --batch-size and --seq-len must be positive")
     if not 0 <= args.warmup < args.steps:
@@ -602,10 +605,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.skip_hf and args.skip_ours:
         raise ValueError("--skip-hf and --skip-ours together leave nothing to run")
     for v in variants(args):
-        loss_impl, _, extra = v.partition("+")
-        if (loss_impl and loss_impl not in LOSS_IMPLS) or extra not in ("", "compile"):
-            raise ValueError(f"--ours-variants entry {v!r}: expected a loss_impl of {LOSS_IMPLS} optionally followed "
-                             "by '+compile'")
+        ts.parse_variant(v)  # ValueError naming the accepted loss_impls and suffixes
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str]]:

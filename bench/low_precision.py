@@ -64,7 +64,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -411,11 +411,9 @@ def _moving_average(v: list[float], n: int) -> list[float]:
     return out
 
 
-def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) -> Optional[Path]:
-    runs = [r for r in runs if r.get("losses")]
-    if not runs:
-        return None
-    stem = out.with_name(out.stem + "_curves")
+def pyplot_or_csv(stem: Path, header: list[str], rows: Iterable[Sequence[Any]]) -> tuple[Any, Optional[Path]]:
+    """matplotlib's pyplot (Agg backend) and None; where matplotlib is missing, None and ``stem``.csv holding the
+    rows (the curves' data, for ``--plot-from`` or a spreadsheet)."""
     try:
         import matplotlib
 
@@ -425,10 +423,21 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) 
         path = stem.with_suffix(".csv")
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["run", "step", "loss"])
-            for r in runs:
-                w.writerows((r["model"], i + 1, v) for i, v in enumerate(r["losses"]))
+            w.writerow(header)
+            w.writerows(rows)
         log(f"curves: {path} (matplotlib not importable: pip install 'lightning_moe[bench]' for a PNG)")
+        return None, path
+    return plt, None
+
+
+def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) -> Optional[Path]:
+    runs = [r for r in runs if r.get("losses")]
+    if not runs:
+        return None
+    stem = out.with_name(out.stem + "_curves")
+    plt, path = pyplot_or_csv(stem, ["run", "step", "loss"],
+                              ((r["model"], i + 1, v) for r in runs for i, v in enumerate(r["losses"])))
+    if plt is None:
         return path
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     base = _moving_average(runs[0]["losses"], smooth) if runs[0]["recipe"] == BASE else None

@@ -259,18 +259,17 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     model = trainer = dm = None
     try:
         dm = TextDataModule(**{"seq_len": seq_len, "batch_size": batch_size, **(data_kwargs or {})})
-        loss_impl, _, extra = (variant or getattr(args, "loss_impl", "auto")).partition("+")
-        if extra == "compile":
+        loss_impl, extras = parse_variant(variant or getattr(args, "loss_impl", "auto"))
+        if "compile" in extras:
             from lightning_moe.strategies import MoEParallelStrategy
 
             strategy = MoEParallelStrategy(compile=True)
-        elif extra:
-            raise ValueError(f"unknown variant suffix {extra!r} (only '+compile')")
         if module is not None:
             model = module()
         else:
             model = MoELanguageModel(cfg, **{"lr": lr, "warmup_steps": 2, "max_steps": args.steps,
-                                             "loss_impl": loss_impl, **(module_kwargs or {})})
+                                             "loss_impl": loss_impl, "master_dtype": "fp32" if "master" in extras
+                                             else None, **(module_kwargs or {})})
         trainer = L.Trainer(**{
             "accelerator": "gpu" if device.type == "cuda" else "cpu",
             "devices": 1,
@@ -322,6 +321,23 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     res["allocated_after_free_gib"] = allocated_gib(device)
     log(_summary_line(res))
     return res
+
+
+VARIANT_SUFFIXES = ("compile", "master")
+
+
+def parse_variant(variant: str) -> tuple[str, set[str]]:
+    """``loss_impl[+compile][+master]`` -> (loss_impl, suffixes): ``+compile`` regional torch.compile through a
+    one-device MoEParallelStrategy, ``+master`` fp32 master weights and moments (``MoELanguageModel(master_dtype=
+    "fp32")``). ValueError for an unknown loss_impl or suffix."""
+    from lightning_moe.models.lm_loss import LOSS_IMPLS
+
+    loss_impl, *extras = variant.split("+")
+    bad = [e for e in extras if e not in VARIANT_SUFFIXES]
+    if (loss_impl and loss_impl not in LOSS_IMPLS) or bad:
+        raise ValueError(f"variant {variant!r}: expected a loss_impl of {LOSS_IMPLS} optionally followed by "
+                         f"{' / '.join('+' + e for e in VARIANT_SUFFIXES)}")
+    return loss_impl or "auto", set(extras)
 
 
 def step_profiler(start: int, n: int, trace: Path, on_trace: Optional[Callable[[Path, int], Any]] = None) -> Any:
@@ -583,7 +599,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "picks); duplicates of the default are skipped")
     p.add_argument("--ours-variants", default="",
                    help="comma-separated runs of ours, each a loss_impl (auto, torch, chunked, liger) optionally "
-                        "with +compile, e.g. 'torch,auto,auto+compile'; default: one run with --loss-impl")
+                        "with +compile and/or +master (fp32 master weights and moments), e.g. "
+                        "'torch,auto,auto+compile,auto+compile+master'; default: one run with --loss-impl")
     p.add_argument("--loss-impl", default="auto", help="MoELanguageModel(loss_impl=...) of the default run")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over 3 steps of the first timed run of ours: top kernels + a Chrome trace")

@@ -650,6 +650,8 @@ def _plan_settings_from_yaml(path: str) -> dict[str, Any]:
     elif strategy not in (None, "auto") + STRATEGY_NAMES and (world or 1) > 1:
         raise ValueError(f"plan knows MoEParallelStrategy layouts; {path} uses strategy {strategy!r}")
     precision = _PRECISION_ALIASES.get(str(trainer.get("precision", "32-true")), str(trainer.get("precision")))
+    if precision == "bf16-true" and isinstance(model, dict) and model.get("master_dtype") in ("fp32", "float32"):
+        precision = "bf16-true+master"  # the optimizer's fp32 masters and moments (MoELanguageModel.master_dtype)
     data = doc.get("data") or {}
     return {"config": cfg, "name": name, "world": world, "sizes": sizes, "precision": precision,
             "seq_len": data.get("seq_len", 256), "micro_batch": data.get("batch_size", 8), "ac": ac,

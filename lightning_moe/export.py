@@ -39,7 +39,7 @@ def export_main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("out_dir", help="the Hugging Face folder to write (replaced only once complete)")
     p.add_argument("--model_type", choices=EXPORT_MODEL_TYPES, default=None,
                    help="the transformers family (default: inferred from the model config)")
-    p.add_argument("--dtype", choices=_DTYPES, default=None, help="cast the weights (default: as stored)")
+    p.add_argument("--dtype", choices=_DTYPES, default=None, help="cast the weights (default: as stored; the fp32 master weights when the checkpoint holds them)")
     p.add_argument("--max_shard_size", type=_size, default=5 * 2**30, help="largest safetensors shard (default 5GB)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype or "")

@@ -325,7 +325,11 @@ def _checkpoint_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     return max(set(floats), key=floats.count) if floats else torch.float32
 
 
+_MASTER = "master"  # MasterAdamW's state entry: the fp32 master copy of a low-precision parameter
+
+
 def _load_lightning_file(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """The config and the weights: the parameters, or their fp32 masters where the optimizer state holds them."""
     ckpt = _safe_torch_load(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
@@ -333,6 +337,11 @@ def _load_lightning_file(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     if not state:
         raise ValueError(f"{path} holds no 'model.*' weights: not a lightning_moe MoELanguageModel checkpoint")
+    for osd in (ckpt.get("optimizer_states") or [])[:1]:  # by parameter name (lightning_moe writes it so)
+        for name, s in (osd.get("state") or {}).items() if isinstance(osd, dict) else ():
+            key = name[len("model."):] if isinstance(name, str) and name.startswith("model.") else None
+            if key in state and isinstance(s, dict) and isinstance(s.get(_MASTER), Tensor):
+                state[key] = s[_MASTER]
     return config, state
 
 
@@ -364,10 +373,18 @@ def _load_distributed_dir(path: Path, model_device: Union[str, torch.device]) ->
         shape = getattr(stored["state_dict." + k], "size", None)
         if shape is not None and tuple(shape) != tuple(v.shape):
             raise ValueError(f"{path}: {k} has shape {tuple(shape)} in the checkpoint, {tuple(v.shape)} in the model")
-    # reads only the model's tensors (not the optimizer's) straight into the parameters, in one process
+    # the fp32 masters of MasterAdamW where the optimizer state holds them (they are the weights; the parameters
+    # are their rounding), else the parameters: read straight into the model, in one process
+    masters = {k: v for k, v in wanted.items() if f"optimizer_0.state.{k}.{_MASTER}" in stored}
+    request: dict[str, Any] = {"state_dict": {k: v for k, v in wanted.items() if k not in masters}}
+    if masters:
+        request["optimizer_0"] = {"state": {k: {_MASTER: v} for k, v in masters.items()}}
+        dtypes = [d for k, m in stored.items() if k.startswith(prefix) and k[len("state_dict."):] not in masters
+                  for d in [getattr(getattr(m, "properties", None), "dtype", None)]]
+        dtypes += [stored[f"optimizer_0.state.{k}.{_MASTER}"].properties.dtype for k in masters]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"state_dict": wanted}, storage_reader=reader, no_dist=True)
+        dcp.load(request, storage_reader=reader, no_dist=True)
     return config, model, _checkpoint_dtype([d for d in dtypes if d is not None])
 
 
@@ -397,8 +414,10 @@ def load_for_generation(ckpt_path: Union[str, os.PathLike], device: Union[str, t
       torch.distributed.checkpoint shards of every rank (keys ``state_dict.model.*``, ``optimizer_0.*``) plus
       Lightning's ``meta.pt`` (hyper-parameters, loops, ...), resharded to full tensors by DCP.
 
-    The config comes from the checkpoint's ``hyper_parameters["config"]``. ``dtype`` None keeps the checkpoint's
-    parameter dtype; routers stay fp32 either way. Nothing in the files is executed."""
+    The config comes from the checkpoint's ``hyper_parameters["config"]``. Where the optimizer state holds fp32 master
+    weights (``MoELanguageModel(master_dtype="fp32")``) they are read instead of the (bf16) parameters. ``dtype`` None
+    keeps the dtype of the weights read (fp32 with masters); routers stay fp32 either way. Nothing in the files is
+    executed."""
     path = resolve(os.path.expanduser(str(ckpt_path)))
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")

@@ -38,10 +38,13 @@ from lightning_moe.checkpoint.optimizer_state import accept_state_by_name, optim
 from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.lm_loss import IGNORE_INDEX, LOSS_IMPLS
 from lightning_moe.models.transformer import MoETransformer, check_components
-from lightning_moe.optim import AdamW
+from lightning_moe.optim import AdamW, MasterAdamW
 from lightning_moe.parallel.finalize import StepResult, StepTotals, finalize_module_step, finalizing_closure
 from lightning_moe.strategies import MoEParallelStrategy
 
+
+
+_MASTER_DTYPES = {None: None, "fp32": torch.float32, "float32": torch.float32}
 
 
 def _load_unsharded_init(model: MoETransformer, config: ModelConfig, seed: int) -> None:
@@ -88,7 +91,14 @@ class MoELanguageModel(L.LightningModule):
             ``lr * min_lr_ratio`` at ``max_steps`` (None = the trainer's estimated stepping batches).
         weight_decay: applied to matrices only (not to norms, biases, embeddings; the router bias is a buffer).
         betas, eps: AdamW.
-        fused: fused AdamW (None = on when the parameters live on CUDA).
+        fused: fused AdamW (None = on when the parameters live on CUDA); with ``master_dtype`` the Triton kernel of
+            :class:`~lightning_moe.optim.MasterAdamW` (None = on CUDA when triton imports).
+        master_dtype: ``"fp32"``: the optimizer keeps fp32 master weights and fp32 AdamW moments for every bf16 / fp16
+            parameter (:class:`~lightning_moe.optim.MasterAdamW`, sharded like the parameters) while the model
+            computes in its own dtype -- with ``precision="bf16-true"``: bf16 compute, fp32 master state, bf16
+            gradients reduced in fp32 where they are reduced (FSDP2). Checkpoints hold the masters;
+            ``save_pretrained`` and ``lightning-moe export`` write them. None: AdamW updates the parameters in their
+            own dtype (bf16 moments under bf16-true).
         skip_empty_steps: an optimizer step whose whole global batch has no valid token (every label -100 or
             masked) raises by default; True skips it with a warning (no update, nothing logged as a loss).
         model_transforms: callables ``fn(model) -> model | None`` applied to the meta-device model before
@@ -116,6 +126,7 @@ class MoELanguageModel(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         fused: Optional[bool] = None,
+        master_dtype: Optional[str] = None,
         skip_empty_steps: bool = False,
         model_transforms: Optional[Sequence[Callable[[nn.Module], Optional[nn.Module]]]] = None,
         pretrained: Optional[str] = None,
@@ -150,12 +161,18 @@ class MoELanguageModel(L.LightningModule):
         self.save_hyperparameters(
             {"config": self.config.to_dict(), "lr": lr, "min_lr_ratio": min_lr_ratio, "warmup_steps": warmup_steps,
              "max_steps": max_steps, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused,
-             "skip_empty_steps": skip_empty_steps, "pretrained": pretrained,
+             "master_dtype": master_dtype, "skip_empty_steps": skip_empty_steps, "pretrained": pretrained,
              "predict_max_new_tokens": predict_max_new_tokens, "loss_impl": loss_impl}
         )
         if loss_impl not in LOSS_IMPLS:
             raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {loss_impl!r}")
         self.loss_impl = loss_impl
+        if master_dtype not in _MASTER_DTYPES:
+            raise ValueError(f"master_dtype must be one of {sorted(k for k in _MASTER_DTYPES if k)} or None, got "
+                             f"{master_dtype!r}")
+        #: the optimizer's master dtype (None: it updates the parameters in their own dtype); the strategy reduces
+        #: gradients in it under FSDP2
+        self.master_dtype: Optional[torch.dtype] = _MASTER_DTYPES[master_dtype]
         self.pretrained = pretrained
         self.skip_empty_steps = skip_empty_steps
         self.model_transforms = list(model_transforms or [])
@@ -293,13 +310,21 @@ class MoELanguageModel(L.LightningModule):
     def save_pretrained(self, out_dir: str, *, model_type: Optional[str] = None, **kwargs: Any) -> None:
         """Write a Hugging Face folder (config.json + sharded safetensors) that ``transformers`` loads. Collective
         under a distributed strategy (every rank calls it; rank 0 writes). ``model_type``: the family to write
-        (default: the one imported from, else inferred from the config)."""
+        (default: the one imported from, else inferred from the config). The weights are the optimizer's fp32
+        masters where it keeps them (``master_dtype``), else the parameters; ``dtype=torch.bfloat16`` (a save_hf
+        option, as every other keyword) casts them."""
+        from lightning_moe.checkpointing import param_names
         from lightning_moe.models.hf import save_hf
 
         if self.model is None:
             self.configure_model()
         assert self.model is not None
-        save_hf(self.model, out_dir, self.config,
+        state = self.model.state_dict()
+        optimizers = self.trainer.optimizers if self._trainer is not None else []
+        masters = optimizers[0].master_params() if optimizers and isinstance(optimizers[0], MasterAdamW) else {}
+        names = param_names(self.model)
+        state.update({names[id(p)]: m for p, m in masters.items() if id(p) in names})
+        save_hf(state, out_dir, self.config,
                 model_type=model_type or self.hf_model_type or infer_model_type(self.config), **kwargs)
 
     def generate(self, prompt_or_ids: Any, max_new_tokens: int = 64, **kwargs: Any) -> Any:
@@ -540,12 +565,14 @@ class MoELanguageModel(L.LightningModule):
         fused = hp.fused
         if fused is None:
             fused = bool(params) and all(p.device.type == "cuda" for p in params)
-        # the same two groups under every layout (optimizer and LR-scheduler states resume anywhere); this AdamW
-        # keeps DTensor and plain parameters apart inside its fused kernels
-        optimizer = AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused,
-        )
+        # the same two groups under every layout (optimizer and LR-scheduler states resume anywhere); AdamW keeps
+        # DTensor and plain parameters apart inside its fused kernels, MasterAdamW steps their local tensors
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.master_dtype is not None:
+            optimizer: torch.optim.Optimizer = MasterAdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
+                                                           fused=hp.fused)
+        else:
+            optimizer = AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused)
         accept_state_by_name(optimizer, self)
         total = hp.max_steps
         if total is None:

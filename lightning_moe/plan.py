@@ -50,6 +50,7 @@ from lightning_moe.parallel.layout import (
 # bytes per parameter for (weights, grads, AdamW states) under each Lightning precision setting
 PRECISION_BYTES = {
     "bf16-true": (2, 2, 4),  # everything in bf16, two bf16 Adam moments
+    "bf16-true+master": (2, 2, 12),  # bf16 weights and grads; fp32 master and moments (master_dtype="fp32")
     "bf16-mixed": (4, 4, 8),  # fp32 master weights, grads and moments
     "32-true": (4, 4, 8),
 }

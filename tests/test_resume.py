@@ -227,12 +227,16 @@ def _data(cls: type = TextDataModule, num_samples: int = NUM_SAMPLES) -> TextDat
 
 def _fit(strategy: Any, steps: int, ckpt_in: Optional[str] = None, ckpt_out: Optional[str] = None,
          seed: int = 0, data_cls: type = TextDataModule, callbacks: tuple = (),
-         num_samples: int = NUM_SAMPLES) -> dict[str, Any]:
+         num_samples: int = NUM_SAMPLES, precision: str = "32-true", master_dtype: Optional[str] = None) -> dict[str, Any]:
+    """One run; ``precision`` and ``master_dtype`` as the Trainer's and MoELanguageModel's. The result holds the final
+    full weights (fp32) and, with master weights, the optimizer's full masters by parameter name."""
     torch.manual_seed(seed)  # a resumed run starts from other weights: the checkpoint must overwrite them
-    model = MoELanguageModel(small_config(**MOE), lr=3e-3, warmup_steps=2, max_steps=STEPS, min_lr_ratio=0.1)
+    model = MoELanguageModel(small_config(**MOE), lr=3e-3, warmup_steps=2, max_steps=STEPS, min_lr_ratio=0.1,
+                             master_dtype=master_dtype)
     rec = Record()
     devices = 1 if strategy == "auto" else torch.distributed.get_world_size()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                        precision=precision,
                         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec, *callbacks])
     with warnings.catch_warnings(record=True) as caught:
@@ -245,10 +249,28 @@ def _fit(strategy: Any, steps: int, ckpt_in: Optional[str] = None, ckpt_out: Opt
     full = get_model_state_dict(model.model, options=StateDictOptions(full_state_dict=True))
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().float().clone()
              for k, v in full.items()}
-    return {"losses": rec.losses, "batches": rec.batches, "epochs": rec.epochs, "positions": rec.positions,
-            "state": state,
+    opt_state = trainer.optimizers[0].state
+    with_master = [(n, p, opt_state[p]["master"]) for n, p in model.named_parameters() if "master" in opt_state.get(p, {})]
+    masters = {n: _full(m) for n, _, m in with_master}
+    # where each master lives: (the parameter's placements, the master's) and whether the local shards agree
+    layouts = {n: (_where(p), _where(m), _local(p).shape == _local(m).shape) for n, p, m in with_master}
+    return {"losses": rec.losses, "masters": masters, "master_layouts": layouts, "batches": rec.batches, "epochs": rec.epochs,
+            "positions": rec.positions, "state": state,
             "global_step": trainer.global_step, "epoch": trainer.current_epoch, "sampler": type(trainer.train_dataloader.sampler).__name__,
             "not_resumable_warning": any("not resumable" in str(w.message) for w in caught)}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _where(t: torch.Tensor) -> str:
+    """A DTensor's mesh dimensions and placements ("plain" for a plain tensor)."""
+    return f"{t.device_mesh.mesh_dim_names} {t.placements}" if hasattr(t, "placements") else "plain"
 
 
 def _differences(resumed: dict[str, Any], ref: dict[str, Any], cut: int = CUT, steps: int = STEPS) -> list[str]:

@@ -156,12 +156,14 @@ def finalize_step(
     global_group: Optional[ProcessGroup] = None,
     skip_empty: bool = False,
     step: int = 0,
+    tp_reduce_dtype: Optional[torch.dtype] = None,
 ) -> StepResult:
     """Finalise the gradients of one optimizer step in place and return its (global) statistics.
 
     ``model`` is the :class:`~lightning_moe.models.transformer.MoETransformer`; ``parameters`` every trainable
     parameter (on any meshes); ``totals`` the step's loss sum and valid-token count over all data ranks;
-    ``tp_sync_modules`` the modules whose gradients must be summed over ``tp_group``; ``global_group`` every rank
+    ``tp_sync_modules`` the modules whose gradients must be summed over ``tp_group`` (in ``tp_reduce_dtype``, None:
+    their own dtype); ``global_group`` every rank
     routing distinct tokens (None on one process). Collective: every rank calls it with the same arguments.
     Raises :class:`EmptyStepError` when the step has no valid token (or drops the gradients and returns with
     ``skipped=True`` when ``skip_empty``), ``FloatingPointError`` when the loss is not finite.
@@ -169,7 +171,7 @@ def finalize_step(
     params = [p for p in parameters if p.requires_grad]
     if tp_group is not None:
         sync = [p for m in tp_sync_modules for p in m.parameters() if p.grad is not None]
-        all_reduce_grads(sync, tp_group)
+        all_reduce_grads(sync, tp_group, reduce_dtype=tp_reduce_dtype)
     moe = {int(i): blk.moe for i, blk in model.layers.items() if blk.is_moe}
     routing = _reduce_routing(moe, global_group)
 
@@ -221,6 +223,8 @@ def finalize_module_step(
         global_group=global_group,
         skip_empty=module.skip_empty_steps,
         step=trainer.global_step,
+        # fp32 master weights: their gradients are summed in fp32 where they are summed (as FSDP2's reduce-scatter)
+        tp_reduce_dtype=getattr(module, "master_dtype", None),
     )
     module.on_step_finalized(result)
     return result

@@ -272,8 +272,10 @@ def all_reduce_grads(
     group: Union[ProcessGroup, DeviceMesh, None],
     *,
     bucket_bytes: int = 256 * 2**20,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> None:
-    """Sum the local gradients of ``parameters`` over ``group`` in place (``None``: the default group).
+    """Sum the local gradients of ``parameters`` over ``group`` in place (``None``: the default group), in
+    ``reduce_dtype`` (None: the gradients' own dtype; fp32 sums bf16 gradients without rounding every partial sum).
 
     For parameters that are replicated across some ranks (e.g. tensor-parallel peers) but were fed different
     tokens (the router under sequence parallel): their gradients must be summed over those ranks. DTensor
@@ -301,10 +303,11 @@ def all_reduce_grads(
                 buckets[-1].append(t)
                 size += nbytes
             for bucket in buckets:
-                if len(bucket) == 1 and bucket[0].is_contiguous():
+                cast = reduce_dtype is not None and reduce_dtype != bucket[0].dtype
+                if len(bucket) == 1 and bucket[0].is_contiguous() and not cast:
                     dist.all_reduce(bucket[0], group=pg)
                     continue
-                flat = torch.cat([t.reshape(-1) for t in bucket])
+                flat = torch.cat([t.reshape(-1).to(reduce_dtype) if cast else t.reshape(-1) for t in bucket])
                 dist.all_reduce(flat, group=pg)
                 for t, reduced in zip(bucket, flat.split([t.numel() for t in bucket])):
                     t.copy_(reduced.view_as(t))

@@ -282,6 +282,44 @@ def apply_fsdp(
             m.set_force_sum_reduction_for_comms(True)
 
 
+def fsdp_meshes(dims: ParallelDims) -> tuple[Optional[DeviceMesh], Optional[DeviceMesh]]:
+    """The meshes FSDP2 shards over (dense, routed experts), None where the layout has no data-parallel replicas to
+    sum gradients over (one device; experts split over every rank). Meshes must exist (after build_meshes)."""
+    dense = dims.fsdp_mesh() if _fsdp_dense(dims) else None
+    expert = dims.expert_fsdp_mesh() if _fsdp_experts(dims) else None
+    return dense, expert
+
+
+def _fsdp_dense(dims: ParallelDims) -> bool:
+    return dims.dp_replicate * dims.dp_shard * dims.cp > 1
+
+
+def _fsdp_experts(dims: ParallelDims) -> bool:
+    return dims.dp_replicate * dims.edp_shard > 1
+
+
+def check_fsdp_dtypes(dims: ParallelDims, *, param_dtype: Optional[torch.dtype],
+                      reduce_dtype: Optional[torch.dtype]) -> None:
+    """FSDP2's mixed-precision dtypes act only on the parameters FSDP2 holds: a layout where some parameters are not
+    under FSDP2 would silently ignore them there. ValueError naming the fix (before any process group exists)."""
+    if param_dtype is None and reduce_dtype is None:
+        return
+    missing = []
+    if not _fsdp_dense(dims):
+        missing.append("the dense parameters (dp_replicate x dp_shard x cp = 1)")
+    if not _fsdp_experts(dims):
+        missing.append(f"the routed experts (ep x etp = {dims.ep * dims.etp} = the world size)")
+    if not missing:
+        return
+    given = ", ".join(f"{n}={d}" for n, d in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)) if d)
+    raise ValueError(
+        f"{given}: FSDP2 mixed precision acts on the parameters FSDP2 shards, and this layout does not shard "
+        f"{' nor '.join(missing)}, so the setting would be ignored there. For bf16 compute with fp32 master weights and moments on any layout use "
+        "precision='bf16-true' with MoELanguageModel(master_dtype='fp32') (its gradients are reduced in fp32 where "
+        "they are reduced); for plain bf16 use precision='bf16-true' alone"
+    )
+
+
 def parallelize(
     model: MoETransformer,
     dims: ParallelDims,
@@ -310,8 +348,7 @@ def parallelize(
     apply_ac(model, activation_checkpointing, recompute_num_layers)
     apply_compile(model, compile)
     # data-parallel replicas of a parameter need FSDP (sharding and/or HSDP replication) to sum its gradient
-    dense = dims.fsdp_mesh() if dims.dp_replicate * dims.dp_shard * dims.cp > 1 else None
-    expert = dims.expert_fsdp_mesh() if dims.dp_replicate * dims.edp_shard > 1 else None
+    dense, expert = fsdp_meshes(dims)
     if dense is not None or expert is not None:
         apply_fsdp(model, dense, expert, param_dtype, reduce_dtype, reshard_after_forward)
     model._lightning_moe_tp_sync = sync

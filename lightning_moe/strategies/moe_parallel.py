@@ -46,7 +46,7 @@ from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.finalize import StepResult, finalize_module_step, finalizing_closure
 from lightning_moe.parallel.compile import resolve_compile
 from lightning_moe.parallel.layout import check_recompute_num_layers, parse_activation_checkpointing
-from lightning_moe.parallel.parallelize import DISPATCHERS, parallelize
+from lightning_moe.parallel.parallelize import DISPATCHERS, check_fsdp_dtypes, parallelize
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -78,7 +78,12 @@ class MoEParallelStrategy(ParallelStrategy):
             kernels (optional package built from source, docs/deepep.md; CUDA, bf16 activations, ep in (2, 4, 8) on
             one node, etp=1; each checked with an error naming the fix).
         reshard_after_forward: FSDP2 option.
-        param_dtype, reduce_dtype: FSDP2 mixed precision (``"bf16"``, ``"fp32"``; None = the parameter dtype).
+        param_dtype, reduce_dtype: FSDP2 mixed precision (``"bf16"``, ``"fp32"``): the dtype parameters are
+            all-gathered and computed in, and the dtype gradients are reduce-scattered in. None = the parameter dtype;
+            ``reduce_dtype`` None is fp32 when the module keeps fp32 master weights
+            (``MoELanguageModel(master_dtype="fp32")``, the one spelling of bf16 compute with fp32 master state on
+            every layout). They act through FSDP2 only: a layout that applies FSDP2 to no parameter, or not to the
+            routed experts (ep x etp = world size), refuses them with a ValueError.
         activation_checkpointing: ``"none"``, ``"full"`` (whole blocks) or a list of module kinds to recompute
             (``[norm, moe_act]``; a comma-separated string works too): ``norm``, ``attn_core``, ``moe_act``,
             ``experts``, ``shared_experts``, ``mla_up_proj``, optionally with ``full``. Communication is never
@@ -365,7 +370,9 @@ class MoEParallelStrategy(ParallelStrategy):
         sizes = dict(self._sizes)
         if sizes["dp_shard"] == "auto":
             sizes["dp_shard"] = -1
-        return ParallelDims(world_size=self.world_size, **sizes)
+        dims = ParallelDims(world_size=self.world_size, **sizes)
+        check_fsdp_dtypes(dims, param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype)
+        return dims
 
     def model_transforms(self) -> list[Callable[[nn.Module], Optional[nn.Module]]]:
         """The strategy's own step of the build pipeline's transforms: the precision plugin converts the meta
@@ -373,6 +380,8 @@ class MoEParallelStrategy(ParallelStrategy):
         return [self.precision_plugin.convert_module]
 
     def parallelize_model(self, model: nn.Module) -> nn.Module:
+        # fp32 master weights (the module's optimizer): their bf16 gradients are reduce-scattered in fp32
+        master = getattr(self.lightning_module, "master_dtype", None)
         self._tp_sync_modules = parallelize(
             model,
             self.parallel_dims,
@@ -380,7 +389,7 @@ class MoEParallelStrategy(ParallelStrategy):
             activation_checkpointing=self._activation_checkpointing,
             recompute_num_layers=self._recompute_num_layers,
             param_dtype=self._param_dtype,
-            reduce_dtype=self._reduce_dtype,
+            reduce_dtype=self._reduce_dtype or master,
             reshard_after_forward=self._reshard_after_forward,
             compile=self._compile,
         )
