@@ -12,6 +12,7 @@ import torch
 
 import lightning_moe.callbacks.activation_offload as ao
 from _memory import assert_same, gqa_config, mla_config, reference_model, step, tokens
+from _trainer import fit_recording_losses
 from lightning_moe.callbacks import ActivationOffload
 
 
@@ -114,18 +115,7 @@ def test_trainer_bf16_true_recomputed_blocks_with_offload_match_no_option():
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                             precision="bf16-true", strategy=strategy, callbacks=[probe, *callbacks])
-        losses = []
-
-        class Losses(L.Callback):
-            def on_train_batch_end(self, trainer, *_):
-                losses.append(float(trainer.callback_metrics["train_loss"]))
-
-        trainer.callbacks.append(Losses())
-        try:
-            trainer.fit(model, datamodule=TextDataModule(seq_len=16, batch_size=2))
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+        losses = fit_recording_losses(trainer, model, TextDataModule(seq_len=16, batch_size=2))
         return probe.grads, losses, model
 
     base, base_losses, _ = fit(MoEParallelStrategy())
@@ -157,11 +147,7 @@ def test_trainer_applies_it_as_a_model_transform_with_selective_recompute():
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         strategy=MoEParallelStrategy(activation_checkpointing="norm,moe_act"), callbacks=[cb])
-    try:
-        trainer.fit(model, datamodule=TextDataModule(seq_len=16, batch_size=2))
-    finally:  # the strategy's one-process group must not leak into later tests
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    fit_recording_losses(trainer, model, TextDataModule(seq_len=16, batch_size=2))
     experts = model.model.moe_layers()[0].experts
     assert isinstance(experts.forward, ao._Scoped)
     assert type(experts.act_down).__name__ == "Recomputed"

@@ -278,6 +278,7 @@ def test_trainer_fit_from_yaml_config_loss_falls(tmp_path):
 
     import lightning as L
 
+    from _trainer import fit_recording_losses
     from lightning_moe import MoELanguageModel
     from lightning_moe.data import TextDataModule
 
@@ -295,18 +296,7 @@ def test_trainer_fit_from_yaml_config_loss_falls(tmp_path):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[cb],
                         default_root_dir=tmp_path)
-    losses = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(pl_module.last_train_loss))
-
-    trainer.callbacks.append(Record())
-    try:
-        trainer.fit(module, datamodule=TextDataModule(seq_len=16, batch_size=4))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    losses = fit_recording_losses(trainer, module, TextDataModule(seq_len=16, batch_size=4))
     assert isinstance(module.model.layers["1"].moe.experts._grouped_mm, LowPrecisionGroupedMM)
     assert type(module.model.layers["1"].attention.wq).__name__ == "Float8Linear"
     assert len(losses) == 8 and all(map(lambda v: v == v and abs(v) < 1e9, losses))

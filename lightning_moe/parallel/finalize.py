@@ -162,15 +162,15 @@ def finalize_step(
 
     ``model`` is the :class:`~lightning_moe.models.transformer.MoETransformer`; ``parameters`` every trainable
     parameter (on any meshes); ``totals`` the step's loss sum and valid-token count over all data ranks;
-    ``tp_sync_modules`` the modules whose gradients must be summed over ``tp_group`` (in ``tp_reduce_dtype``, None:
-    their own dtype); ``global_group`` every rank
+    ``tp_sync_modules`` the modules whose own parameters' gradients must be summed over ``tp_group`` (in
+    ``tp_reduce_dtype``, None: their own dtype); ``global_group`` every rank
     routing distinct tokens (None on one process). Collective: every rank calls it with the same arguments.
     Raises :class:`EmptyStepError` when the step has no valid token (or drops the gradients and returns with
     ``skipped=True`` when ``skip_empty``), ``FloatingPointError`` when the loss is not finite.
     """
     params = [p for p in parameters if p.requires_grad]
     if tp_group is not None:
-        sync = [p for m in tp_sync_modules for p in m.parameters() if p.grad is not None]
+        sync = [p for m in tp_sync_modules for p in m.parameters(recurse=False) if p.grad is not None]
         all_reduce_grads(sync, tp_group, reduce_dtype=tp_reduce_dtype)
     moe = {int(i): blk.moe for i, blk in model.layers.items() if blk.is_moe}
     routing = _reduce_routing(moe, global_group)

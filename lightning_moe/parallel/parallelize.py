@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_moe.autograd import recompute_context
-from lightning_moe.models.transformer import Attention, MLAttention, MoETransformer
+from lightning_moe.models.transformer import MLAttention, MoETransformer
 from lightning_moe.moe.deepep import DeepEPDispatcher
 from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.parallel.compile import apply_compile
@@ -39,9 +39,11 @@ from lightning_moe.parallel.recompute import apply_recompute
 
 def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
     """Megatron-style TP with sequence parallel on embeddings, attention (GQA, or MLA with heads split after its
-    latent projections), dense MLPs and the LM head. Returns the modules whose parameters are tp-replicated but fed
-    distinct tokens: their gradients must be summed over tp (modules, not parameters: FSDP later swaps the parameter
-    objects)."""
+    latent projections), dense MLPs and the LM head. Returns the modules whose own parameters are tp-replicated but
+    fed distinct tokens or heads: their gradients must be summed over tp (modules, not parameters: FSDP later swaps
+    the parameter objects). Decided by placement, whatever the module's class: every parameter the plan leaves a plain
+    tensor (not a DTensor over tp), except the routed experts' (the expert mesh reduces them) and those the plan
+    runs whole on every tp rank (MLA's latent path, before its heads split)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -62,7 +64,7 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
         },
     )
-    sync: list[nn.Module] = []
+    not_synced: set[nn.Module] = set()
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
@@ -78,9 +80,7 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
             plan["moe"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None), desired_input_layouts=(Shard(1), None), use_local_output=True
             )
-            sync.append(block.moe.router)
-            if block.moe.shared_experts is not None:
-                sync.append(block.moe.shared_experts)
+            not_synced.update(block.moe.experts.modules())
         else:
             plan["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
@@ -97,12 +97,13 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
         if block.is_moe:
             block.moe.register_forward_pre_hook(_shard_padding_mask_hook(tp_mesh))
         attn = block.attention
-        if isinstance(attn, Attention) and attn.qk_norm == "head":
-            # per-head norms see different heads on each tp rank
-            sync += [attn.q_norm, attn.k_norm]
         if isinstance(attn, MLAttention):
             attn.wkv_a.register_forward_hook(_mla_shared_key_hook(attn.kv_lora_rank, tp_mesh))
-    return sync
+            # the latent projections and norms run on the gathered sequence and the up-projections sum their input
+            # gradients over tp: every tp rank holds their full gradient already
+            not_synced.update(attn.modules())
+    return [m for m in model.modules() if m not in not_synced
+            and any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:
