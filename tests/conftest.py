@@ -3,17 +3,18 @@
 - ``dist``: the test, or a fixture or module-level helper it reaches, starts several processes that form a process
   group: ``run_distributed`` (tests/_dist.py) or torchrun (``torch.distributed.run``). Set here, from the module's
   source (``_reaches``): nothing to write in a new multi-rank test.
-- ``slow``: over ~5 s on the 2-core machine. Set here for tests that start a Python subprocess (a fresh interpreter
-  imports torch + lightning for 6-13 s); written as ``@pytest.mark.slow`` on the others.
+- ``slow``: over ~5 CPU seconds of the test process (setup included). Set here for tests that start a Python
+  subprocess (a fresh interpreter imports torch + lightning for 6-13 s); written as ``@pytest.mark.slow`` on others.
 - ``bench``: the tests of a ``bench/`` script (the modules named ``test_*bench*``). Set here.
 - ``quick``: everything else; ``python -m pytest -m quick`` is the developer's quick tier, plain ``python -m pytest``
-  the full suite (CI). A run's summary lists the quick tests that took longer than ``QUICK_LIMIT_S``.
+  the full suite (CI). A run's summary gives the quick tests' CPU time and lists those over ``QUICK_LIMIT_S``.
 """
 
 import ast
 import functools
 import os
 import sys
+import time
 
 # tests import the multi-rank launcher as a top-level module
 sys.path.insert(0, os.path.dirname(__file__))
@@ -84,22 +85,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
 
 
-_durations: dict[str, float] = {}
+_quick_cpu_s: dict[str, float] = {}
 
 
-def pytest_runtest_logreport(report):
-    if "quick" in report.keywords:
-        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # CPU seconds of this process (setup + call + teardown): unlike wall time, they do not grow with the machine's load
+    start = time.process_time()
+    try:
+        return (yield)
+    finally:
+        if item.get_closest_marker("quick"):
+            _quick_cpu_s[item.nodeid] = time.process_time() - start
 
 
 def pytest_terminal_summary(terminalreporter):
-    over = sorted(((d, n) for n, d in _durations.items() if d > QUICK_LIMIT_S), reverse=True)
+    if not _quick_cpu_s:
+        return
+    over = sorted(((s, n) for n, s in _quick_cpu_s.items() if s > QUICK_LIMIT_S), reverse=True)
+    terminalreporter.section("quick tier")
+    terminalreporter.write_line(f"{len(_quick_cpu_s)} quick tests ran on {sum(_quick_cpu_s.values()):.0f} CPU s")
     if over:
-        terminalreporter.section("quick-tier tests over the limit")
-        terminalreporter.write_line(f"these took over {QUICK_LIMIT_S:.0f} s (setup + call + teardown): mark them "
-                                    "@pytest.mark.slow, or make them faster")
-        for d, n in over:
-            terminalreporter.write_line(f"{d:6.1f} s  {n}")
+        terminalreporter.write_line(f"over {QUICK_LIMIT_S:.0f} CPU s each: mark them @pytest.mark.slow, or make them "
+                                    "faster")
+        for s, n in over:
+            terminalreporter.write_line(f"{s:6.1f} s  {n}")
 
 
 @pytest.fixture(autouse=True)

@@ -32,6 +32,7 @@ def _fields(out: str) -> dict:
     return ModelConfig.from_dict(yaml.safe_load(out)["model"]["config"])
 
 
+@pytest.mark.slow
 def test_fit_tiny_config_short_run(tmp_path, monkeypatch):
     # Lightning's default logger is TensorBoard when it is installed: pretend it is, so that the test holds either way
     # (the pinned CSVLogger is what it reads back)
@@ -279,6 +280,7 @@ def test_own_data_with_a_local_hf_tokenizer(tmp_path, capsys):
     assert "give --tokenizer DIR" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_validation_interval_longer_than_the_epoch_is_no_error(tmp_path):
     # 20000 tokens are 9 batches of 8 x 256: tiny.yaml's val_check_interval of 100 spans epochs
     code = _run(["fit", "--config", TINY, "--data.max_tokens=20000", "--trainer.max_steps=12",
@@ -426,6 +428,7 @@ def test_readme_commands_match_ci():
         f"README's test command {cmds[1]!r} differs from .ci/run's {_ci_test_command()!r}")
 
 
+@pytest.mark.slow
 def test_resume_from_the_cli_last_lr_and_shape(tmp_path, capsys, caplog):
     """`--ckpt_path last` finds the newest checkpoint (the end of training always leaves one), a learning rate
     given now wins over the checkpoint's, another model shape is refused naming the fields, and a missing last

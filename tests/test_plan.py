@@ -130,6 +130,7 @@ def test_8gpu_layout_per_gpu_bytes():
     assert total.total_bytes < 40 * 2**30  # room for activations on a 141 GiB H200
 
 
+@pytest.mark.slow
 def test_world_one_layout_is_the_single_device_plan():
     for name in ("tiny", "deepseek_v3", "qwen3_moe_30b_a3b"):
         cfg = ModelConfig.from_preset(name)
