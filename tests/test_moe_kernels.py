@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe import kernels
-from lightning_moe.moe.dispatcher import _PermuteRows, _UnpermuteRows
+from lightning_moe.moe.dispatch.rows import _PermuteRows, _UnpermuteRows
 from lightning_moe.moe import experts as experts_mod
 from lightning_moe.moe.layer import MoELayer
 
@@ -289,7 +289,7 @@ def test_layer_triton_matches_torch(monkeypatch, cfg):
     results = {}
     for name, regather in (("torch", True), ("triton", False), ("triton", True)):
         monkeypatch.setenv(kernels.ENV_VAR, name)
-        monkeypatch.setattr(MoELayer, "regather_rows", regather)
+        layer.replan(regather_rows=regather)
         layer.zero_grad()
         (xi,) = _leaves(x)
         y = layer(xi)
