@@ -11,7 +11,7 @@ as the other dispatchers, and sums them back per received row before DeepEP's co
 outputs on the token's owner::
 
     x_TD --Buffer.dispatch--> x_ND, ids_NK (local, -1), w_NK (0 off this rank) --permute--> x_RD by local expert
-    y_RD --unpermute (weights w_NK, or unweighted when the experts applied them)--> y_ND --Buffer.combine (sum over ranks)--> y_TD
+    y_RD --unpermute (weights w_NK; none if the experts applied them)--> y_ND --Buffer.combine (sum over ranks)--> y_TD
 
 Inside a local expert the rows keep DeepEP's receive order (source rank, then token), as the all-to-all
 dispatcher's do. With ``expert_alignment`` a > 1 every expert's row count is rounded up to a multiple of a (DeepEP
