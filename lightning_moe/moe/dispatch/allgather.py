@@ -30,15 +30,14 @@ class AllGatherDispatcher(_GroupedDispatcher):
     and the unpermute's work grow with ep * etp; the backward of each all-gather is a reduce-scatter and vice versa.
     """
 
+    overlaps = True
+
     def _gather(self, t: Tensor) -> Tensor:
         if self.ep_size > 1:
             t = all_gather_autograd(t.contiguous(), 0, self.ep_group)
         if self.etp_size > 1:
             t = all_gather_autograd(t.contiguous(), 0, self.etp_group)
         return t
-
-    overlaps = True
-    supports_expert_weights = True
 
     def _dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int,
                   overlap: Optional[Callable[[], Any]]) -> tuple[Tensor, Tensor, DispatchContext]:

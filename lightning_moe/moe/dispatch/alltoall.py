@@ -59,6 +59,8 @@ class AllToAllDispatcher(_GroupedDispatcher):
     of the ep and etp groups must then use the same capacity (same tokens per rank, as in Megatron).
     """
 
+    overlaps = True
+
     def __init__(self, ep_group: GroupLike, etp_group: Optional[GroupLike] = None, pad_to_capacity: bool = False,
                  num_local_experts: Optional[int] = None) -> None:
         super().__init__(ep_group, etp_group, num_local_experts)
@@ -86,9 +88,6 @@ class AllToAllDispatcher(_GroupedDispatcher):
         flat = sizes[P:]
         recv = [[flat[(q * P + p) * e:(q * P + p + 1) * e] for p in range(P)] for q in range(Q)]
         return send, recv, recv_QPe.view(Q, P, e)
-
-    overlaps = True
-    supports_expert_weights = True
 
     def _dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int,
                   overlap: Optional[Callable[[], Any]]) -> tuple[Tensor, Tensor, DispatchContext]:

@@ -269,8 +269,6 @@ class DeepEPDispatcher(_GroupedDispatcher):
         self._buffer = buffer
         self.dtypes: tuple[torch.dtype, ...] = tuple(getattr(buffer, "dtypes", (torch.bfloat16,)))
 
-    supports_expert_weights = True
-
     def _dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int,
                   overlap: Optional[Callable[[], Any]]) -> tuple[Tensor, Tensor, DispatchContext]:
         E = num_experts

@@ -51,7 +51,9 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
 
 
 class _GroupedDispatcher(TokenDispatcher):
-    """Common group bookkeeping of the distributed dispatchers."""
+    """Common group bookkeeping of the distributed dispatchers (each can hand the rows their weights)."""
+
+    supports_expert_weights = True
 
     def __init__(self, ep_group: GroupLike, etp_group: Optional[GroupLike] = None,
                  num_local_experts: Optional[int] = None) -> None:
