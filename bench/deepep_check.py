@@ -86,8 +86,7 @@ def slowest(ms: float, device: torch.device) -> float:
 
 
 def make_dispatchers(args: argparse.Namespace, group: dist.ProcessGroup) -> dict[str, Any]:
-    from lightning_moe.moe.deepep import DeepEPDispatcher
-    from lightning_moe.moe.dispatcher import AllToAllDispatcher
+    from lightning_moe.moe.dispatch import AllToAllDispatcher, DeepEPDispatcher
 
     if args.cpu:
         from test_deepep_dispatcher import FakeBuffer  # the tests' stand-in: no DeepEP on CPU
@@ -159,7 +158,7 @@ def run_shape(name: str, routing_kind: str, args: argparse.Namespace, device: to
     dispatchers = make_dispatchers(args, mesh.get_group())
     outs = {}
     for kind, disp in dispatchers.items():
-        layer.dispatcher = disp
+        layer.replan(dispatcher=disp)
         outs[kind] = run_once(layer, x, dy)
     ref, got = outs["alltoall"], outs["deepep"]
     diffs = {k: rel_diff(got[k], ref[k]) for k in ref}
@@ -171,7 +170,7 @@ def run_shape(name: str, routing_kind: str, args: argparse.Namespace, device: to
     del outs, ref, got
     x_TD, dy_TD = x.reshape(T, -1), dy.reshape(T, -1)
     for kind, disp in dispatchers.items():
-        layer.dispatcher = disp
+        layer.replan(dispatcher=disp)
         steps = comm_steps(disp, layer, x_TD, dy_TD)
         steps["layer_fwd_bwd"] = fwd_bwd_step(layer, x.detach().clone().requires_grad_(), dy)
         for step_name, fn in steps.items():
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype = torch.device("cuda", local_rank), torch.bfloat16
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-        from lightning_moe.moe.deepep import import_deep_ep
+        from lightning_moe.moe.dispatch.deepep import import_deep_ep
 
         import_deep_ep()  # fail early, naming the build recipe, when deep_ep is missing or broken
     from torch.distributed.device_mesh import init_device_mesh

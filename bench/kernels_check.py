@@ -59,7 +59,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from lightning_moe.config import MoEConfig  # noqa: E402
 from lightning_moe.moe import kernels  # noqa: E402
-from lightning_moe.moe.dispatcher import LocalDispatcher, _PermuteRows, _UnpermuteRows  # noqa: E402
+from lightning_moe.moe.dispatch import LocalDispatcher  # noqa: E402
+from lightning_moe.moe.dispatch.rows import _PermuteRows, _UnpermuteRows  # noqa: E402
 from lightning_moe.moe.experts import _GatherGateUp  # noqa: E402
 from lightning_moe.moe.router_gemm import router_logits  # noqa: E402
 from lightning_moe.moe.layer import MoELayer  # noqa: E402

@@ -165,6 +165,7 @@ def bench_layer(args: argparse.Namespace, device: torch.device, budget: Budget) 
                     cb.device = device
                     cb.transform_model(layer)
                     r["converted"], r["emulate"] = cb.converted, cb.emulate
+                r["plan"] = str(layer.plan)  # FP8: regather_rows=False, every expert GEMM through the recipe
                 with torch.no_grad():
                     y = layer(x).float()
                 if recipe == BASE:

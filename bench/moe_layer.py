@@ -12,8 +12,9 @@ Per shape (``--shapes``, all three by default):
 ``ours_learned``   ``lightning_moe.moe.layer.MoELayer`` of the preset's MoE config, bf16 (the router weight and
                    expert bias stay fp32, as in the model after ``.to(bfloat16)``), routing as initialised
                    (``--router-steps`` SGD steps on the router first, default 0).
-``ours_rows_kept`` ours_learned with ``regather_rows`` and ``applies_row_probs`` off: the dispatcher's row copy kept
-                   for the backward and the combine weights applied in the combine (the layer before 2026-12-01).
+``ours_rows_kept`` ours_learned re-planned with ``regather_rows=False, weights_applied_by="combine"``: the
+                   dispatcher's row copy kept for the backward and the combine weights applied in the combine (the
+                   layer before 2026-12-01).
 ``ours_forced``    the same layer with ``MoEConfig.force_balance`` (round-robin assignment).
 ``ours_compiled``  ours_learned with the router and shared experts compiled (``MoEParallelStrategy(compile=True)``), CUDA only.
 ``bare``           only the GEMMs of the routed expert work, through autograd on ``torch._grouped_mm``: gate, up and
@@ -562,11 +563,12 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, dtype: 
 
     def rows_kept() -> None:
         # the layer as it was before the experts took the combine weights and gathered their own rows
-        layer.regather_rows, layer.experts.applies_row_probs = False, False
+        before = layer.plan.options
+        layer.replan(regather_rows=False, weights_applied_by="combine")
         try:
             res.update(time_steps(fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters))
         finally:
-            del layer.regather_rows, layer.experts.applies_row_probs
+            layer.replan(**dataclasses.asdict(before))
 
     guarded(res, rows_kept)
     record("ours_rows_kept", res)

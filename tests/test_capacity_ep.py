@@ -12,7 +12,7 @@ import torch
 
 from _dist import run_distributed
 from lightning_moe.config import MoEConfig
-from lightning_moe.moe.dispatcher import AllToAllDispatcher
+from lightning_moe.moe.dispatch import AllToAllDispatcher
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.parallel.parallelize import _shard_param
 
@@ -60,7 +60,7 @@ def _worker(rank: int, world_size: int, policy: str) -> dict:
         from torch.distributed.tensor import Shard
 
         _shard_param(ep_layer.experts, name, mesh, [Shard(0)])
-    ep_layer.dispatcher = AllToAllDispatcher(mesh.get_group())
+    ep_layer.replan(dispatcher=AllToAllDispatcher(mesh.get_group()))
 
     torch.manual_seed(100 + rank)  # every rank has its own tokens
     x = torch.randn(1, S, D)

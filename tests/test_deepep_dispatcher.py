@@ -38,15 +38,15 @@ import torch.distributed as dist
 
 from _dist import run_distributed
 from lightning_moe.config import MoEConfig
-from lightning_moe.moe import deepep
-from lightning_moe.moe.deepep import (
+from lightning_moe.moe.dispatch import deepep
+from lightning_moe.moe.dispatch.deepep import (
     DEEPEP_COMMIT,
     DeepEPDispatcher,
     check_deepep_nodes,
     check_deepep_sizes,
     received_layout,
 )
-from lightning_moe.moe.dispatcher import AllToAllDispatcher, LocalDispatcher
+from lightning_moe.moe.dispatch import AllToAllDispatcher, LocalDispatcher
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.moe.router import RoutingResult
 
@@ -259,7 +259,7 @@ def test_received_layout(align):
     keep = ids >= 0
     routing = RoutingResult(torch.rand(N, k, generator=g), ids.clamp(min=0), true, torch.zeros(()), torch.zeros(()),
                             keep_mask=keep, capacity=None)
-    counts_l, ctx = LocalDispatcher().plan(routing, e)
+    counts_l, ctx = LocalDispatcher().layout(routing, e)
     assert counts_l.tolist() == true.tolist()
     if align == 1:
         assert torch.equal(asg, ctx.asg_R) and torch.equal(pos, ctx.pos_TK)
@@ -359,8 +359,8 @@ def _layer_worker(rank, world):
             layer = copy.deepcopy(ref)
             for w in ("w1", "w3", "w2"):
                 _shard_param(layer.experts, w, mesh, [Shard(0)])
-            layer.dispatcher = (AllToAllDispatcher(mesh["ep"]) if kind == "alltoall"
-                                else DeepEPDispatcher(mesh["ep"], buffer=FakeBuffer(mesh.get_group())))
+            layer.replan(dispatcher=AllToAllDispatcher(mesh["ep"]) if kind == "alltoall"
+                         else DeepEPDispatcher(mesh["ep"], buffer=FakeBuffer(mesh.get_group())))
             x = x0.clone().requires_grad_()
             y = layer(x, valid)
             (y * up).sum().backward()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from _dist import run_distributed
-from lightning_moe.moe.dispatcher import (
+from lightning_moe.moe.dispatch import (
     AllGatherDispatcher,
     AllToAllDispatcher,
     LocalDispatcher,
@@ -47,7 +47,7 @@ def _expert(x, w1, w3, w2):
 
 def _experts_fn(x_RD, counts_e, w1, w3, w2, probs_R=None):
     """Experts on grouped rows; with ``probs_R`` each row's activation is scaled before the down projection (the
-    experts apply the combine weights, ``dispatcher.row_probs``)."""
+    experts apply the combine weights, ``dispatch(weights_applied_by="experts")``)."""
     sizes = counts_e.tolist()
     p_parts = torch.split(probs_R, sizes) if probs_R is not None else [None] * len(sizes)
     outs = []
@@ -57,12 +57,18 @@ def _experts_fn(x_RD, counts_e, w1, w3, w2, probs_R=None):
     return torch.cat(outs, dim=0)
 
 
+def _weights_by(row_probs):
+    return "experts" if row_probs else "combine"
+
+
 def _experts_and_combine(disp, x_RD, counts_e, ctx, ws, row_probs):
     """experts -> combine, the weights in the combine or (``row_probs``) in the experts."""
-    p_R = disp.row_probs(ctx) if row_probs else None
+    p_R = ctx.probs_R
     if row_probs:
-        assert p_R.shape == (x_RD.shape[0],) and p_R.dtype == torch.float32 and ctx.probs_applied
-    return disp.combine(_experts_fn(x_RD, counts_e, *ws, probs_R=p_R), ctx)
+        assert p_R.shape == (x_RD.shape[0],) and p_R.dtype == torch.float32 and ctx.weights_applied_by == "experts"
+    else:
+        assert p_R is None and ctx.weights_applied_by == "combine"
+    return disp.combine(_experts_fn(x_RD, counts_e, *ws, probs_R=p_R), ctx, weights_applied_by=_weights_by(row_probs))
 
 
 def _routing(rank, case):
@@ -103,7 +109,7 @@ def _reference(x, probs, ids, keep, w1, w3, w2):
 
 def _check_case(disp, case, world, device="cpu", tol=TOL, row_probs=False):
     """``world``: the ranks 0..world-1 form this dispatcher's ep x etp domain (the tests' layouts cover it).
-    ``row_probs``: the experts apply the combine weights (``disp.row_probs``), combine sums unweighted."""
+    ``row_probs``: the experts apply the combine weights (``ctx.probs_R``), combine sums unweighted."""
     rank = dist.get_rank()
     E = case["E"]
     P, Q = disp.ep_size, disp.etp_size
@@ -125,7 +131,7 @@ def _check_case(disp, case, world, device="cpu", tol=TOL, row_probs=False):
         aux_loss=torch.zeros((), device=device), z_loss=torch.zeros((), device=device), keep_mask=keep,
         capacity=case.get("capacity"),
     )
-    x_RD, counts_e, ctx = disp.dispatch(x, routing, E)
+    x_RD, counts_e, ctx = disp.dispatch(x, routing, E, weights_applied_by=_weights_by(row_probs))
     assert disp.num_local_experts == e
     assert counts_e.dtype == torch.int64 and counts_e.shape == (e,)
     assert x_RD.shape[0] == int(counts_e.sum())
@@ -268,7 +274,7 @@ def test_local_dispatcher_matches_reference(mode, row_probs):
     def local(x, probs, ws):
         disp = LocalDispatcher(pad_to_capacity=mode == "pad")
         routing = RoutingResult(probs, ids, torch.zeros(E), torch.zeros(()), torch.zeros(()), keep, cap)
-        x_RD, counts, ctx = disp.dispatch(x, routing, E)
+        x_RD, counts, ctx = disp.dispatch(x, routing, E, weights_applied_by=_weights_by(row_probs))
         assert disp.num_local_experts == E
         if mode == "pad":
             assert counts.tolist() == [cap] * E and x_RD.shape[0] == E * cap

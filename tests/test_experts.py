@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.moe.experts import GroupedExperts, SharedExperts
+from lightning_moe.moe.grouped_mm import TorchGroupedMM
 
 E, D, FF = 4, 16, 32
 RTOL = 1e-5
@@ -131,13 +132,13 @@ def test_unaligned_dims_fall_back_to_loop():
 def test_use_grouped_mm_false_and_seam():
     calls = []
 
-    class Spy(GroupedExperts):
-        def _grouped_mm(self, x_MK, w_EKN, offs_E):
+    class Spy(TorchGroupedMM):
+        def __call__(self, x_MK, w_EKN, offs_E):
             calls.append((tuple(x_MK.shape), tuple(w_EKN.shape), offs_E.dtype))
-            return super()._grouped_mm(x_MK, w_EKN, offs_E)
+            return super().__call__(x_MK, w_EKN, offs_E)
 
     torch.manual_seed(0)
-    spy = Spy(E, D, FF)
+    spy = GroupedExperts(E, D, FF, grouped_mm=Spy())
     loop = copy.deepcopy(spy)
     loop.use_grouped_mm = False
     x = torch.randn(8, D)

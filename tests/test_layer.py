@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig
-from lightning_moe.moe.dispatcher import LocalDispatcher
+from lightning_moe.moe.dispatch import LocalDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.moe.router import TopKRouter

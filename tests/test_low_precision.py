@@ -27,6 +27,7 @@ from _memory import gqa_config, reference_model, step, tokens
 from lightning_moe.callbacks import LowPrecisionTraining
 from lightning_moe.callbacks.low_precision import BlockScaledLinear, LowPrecisionGroupedMM, RECIPES
 from lightning_moe.lowp.fp8_grouped import emulated_fp8_rowwise_grouped_mm, grouped_mm_padded, pad_groups
+from lightning_moe.moe.grouped_mm import TorchGroupedMM
 
 pytest.importorskip("torchao.float8", reason="the fp8 dense linears use torchao (the ao extra)")
 
@@ -119,7 +120,7 @@ def test_recipe_in_emulation_is_close_to_fp32_and_differs(recipe, block_formats)
         assert type(blk.attention.wo) is dense_type
         if blk.is_moe:
             assert type(blk.moe.router) is type(base.layers[i].moe.router)
-            assert isinstance(blk.moe.experts._grouped_mm, LowPrecisionGroupedMM)
+            assert isinstance(blk.moe.experts.grouped_mm, LowPrecisionGroupedMM)
             assert isinstance(blk.moe.shared_experts.w2, dense_type)
             assert not isinstance(blk.moe.shared_experts.gate or nn.Linear(1, 1), dense_type)
         else:
@@ -140,7 +141,7 @@ def test_keep_bf16_and_dims_that_do_not_fit(block_formats):
     cb = LowPrecisionTraining("mxfp8", emulate=True, keep_bf16=["layers.0", "layers.2.moe.*"])
     cb.transform_model(model)
     assert type(model.layers["0"].attention.wq) is nn.Linear and type(model.layers["0"].feed_forward.w2) is nn.Linear
-    assert "_grouped_mm" not in vars(model.layers["2"].moe.experts)  # the class's plain seam
+    assert type(model.layers["2"].moe.experts.grouped_mm) is TorchGroupedMM  # the plain seam
     assert not isinstance(model.layers["2"].moe.shared_experts.w1, BlockScaledLinear)
     assert type(model.layers["2"].attention.wq) is BlockScaledLinear
     assert cb.converted[0] == "layers.1.moe.experts" and "layers.0.attention.wq" not in cb.converted
@@ -297,7 +298,7 @@ def test_trainer_fit_from_yaml_config_loss_falls(tmp_path):
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[cb],
                         default_root_dir=tmp_path)
     losses = fit_recording_losses(trainer, module, TextDataModule(seq_len=16, batch_size=4))
-    assert isinstance(module.model.layers["1"].moe.experts._grouped_mm, LowPrecisionGroupedMM)
+    assert isinstance(module.model.layers["1"].moe.experts.grouped_mm, LowPrecisionGroupedMM)
     assert type(module.model.layers["1"].attention.wq).__name__ == "Float8Linear"
     assert len(losses) == 8 and all(map(lambda v: v == v and abs(v) < 1e9, losses))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe import kernels
-from lightning_moe.moe.dispatcher import _PermuteRows, _UnpermuteRows
+from lightning_moe.moe.dispatch.rows import _PermuteRows, _UnpermuteRows
 from lightning_moe.moe import experts as experts_mod
 from lightning_moe.moe.layer import MoELayer
 
@@ -289,7 +289,7 @@ def test_layer_triton_matches_torch(monkeypatch, cfg):
     results = {}
     for name, regather in (("torch", True), ("triton", False), ("triton", True)):
         monkeypatch.setenv(kernels.ENV_VAR, name)
-        monkeypatch.setattr(MoELayer, "regather_rows", regather)
+        layer.replan(regather_rows=regather)
         layer.zero_grad()
         (xi,) = _leaves(x)
         y = layer(xi)
@@ -302,3 +302,31 @@ def test_layer_triton_matches_torch(monkeypatch, cfg):
     for key in (("triton", False), ("triton", True)):
         for a, b in zip(results[key], results["torch", True]):
             _assert_close_to_scale(a, b, 1e-6)
+
+
+@needs_triton
+def test_layer_with_another_grouped_mm_keeps_every_gemm_on_it(monkeypatch):
+    """With the fused kernels on one process, experts whose grouped GEMM is not torch's (low precision) do not take
+    the gather-inside gate/up path, which calls torch._grouped_mm itself: all three GEMMs go through the
+    implementation, forward and backward (the plan resolves regather_rows to False)."""
+    from lightning_moe.moe.grouped_mm import TorchGroupedMM
+
+    calls = []
+
+    class Counting(TorchGroupedMM):  # torch's numbers, but not declared as torch's kernel
+        exact_torch = False
+
+        def __call__(self, x_MK, w_EKN, offs_E):
+            calls.append(tuple(w_EKN.shape))
+            return super().__call__(x_MK, w_EKN, offs_E)
+
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    torch.manual_seed(5)
+    layer = MoELayer(MoEConfig(num_experts=6, top_k=2, expert_hidden_size=40), 24)
+    assert layer.plan.regather_rows and layer.experts.gathers_rows(torch.randn(3, 24))
+    gathered = []
+    real_gate_up = experts_mod._GatherGateUp.apply
+    monkeypatch.setattr(experts_mod._GatherGateUp, "apply", lambda *a: gathered.append(1) or real_gate_up(*a))
+    assert not layer.replan(grouped_mm=Counting()).regather_rows
+    layer(torch.randn(2, 9, 24)).sum().backward()
+    assert not gathered and calls == [(6, 24, 40), (6, 24, 40), (6, 40, 24)]

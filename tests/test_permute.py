@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_moe.moe.dispatcher import LocalDispatcher
+from lightning_moe.moe.dispatch import LocalDispatcher
 from lightning_moe.moe.permute import permute, sort_assignments, unpermute
 from lightning_moe.moe.router import RoutingResult
 

@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int) -> str:
         model = build_model(cfg, initialize=load, parallelize=lambda m: (
             parallelize(m, dims, dispatcher=dispatcher, activation_checkpointing=kinds), m)[1])
         for layer in model.moe_layers():
-            layer.overlap_shared_experts = overlap
+            layer.replan(overlap_shared_experts=overlap)
         return model
 
     problems = []

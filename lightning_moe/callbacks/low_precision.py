@@ -10,8 +10,9 @@ state-dict keys, dtypes and checkpoints are unchanged and a checkpoint saved wit
   ``Float8Linear`` (``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name("tensorwise" |
   "rowwise")`` and a module filter; ``emulate=True`` sets torchao's own emulation flag). ``mxfp8`` / ``nvfp4``
   turn them into :class:`BlockScaledLinear` (``lightning_moe.lowp.block_formats.block_scaled_linear``).
-* **routed experts**: the ``GroupedExperts._grouped_mm`` seam of each chosen layer becomes an instance attribute
-  (:class:`LowPrecisionGroupedMM`): FP8 rowwise grouped GEMM (torchao's on sm90, else
+* **routed experts**: each chosen MoE layer's plan gets a :class:`LowPrecisionGroupedMM` as its experts' grouped-GEMM
+  implementation (``MoELayer.replan(grouped_mm=...)``, :mod:`lightning_moe.moe.grouped_mm`; it refuses the per-expert
+  loop fallback, which would skip it): FP8 rowwise grouped GEMM (torchao's on sm90, else
   :func:`~lightning_moe.lowp.fp8_grouped.emulated_fp8_rowwise_grouped_mm`), or ``block_scaled_grouped_mm`` for
   MXFP8 / NVFP4. Groups are padded to the kernel's alignment without a host sync
   (:func:`~lightning_moe.lowp.fp8_grouped.pad_groups`). Under expert parallelism the seam gets the local shards.
@@ -65,6 +66,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_moe.lowp  # noqa: F401  (quiets what importing torchao prints)
+from lightning_moe.moe.grouped_mm import GroupedMM
 
 __all__ = ["BlockScaledLinear", "LowPrecisionGroupedMM", "LowPrecisionTraining", "RECIPES", "check_hardware"]
 
@@ -132,8 +134,10 @@ class BlockScaledLinear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.lowp_recipe}"
 
 
-class LowPrecisionGroupedMM:
-    """The low-precision ``GroupedExperts._grouped_mm`` (an instance attribute: no state-dict keys)."""
+class LowPrecisionGroupedMM(GroupedMM):
+    """The low-precision grouped GEMM of the routed experts (a plain object: no state-dict keys)."""
+
+    fallback_hint = "fix the shapes, or keep these experts in high precision with keep_bf16"
 
     def __init__(self, recipe: str, emulate: bool, name: str = "experts") -> None:
         self.recipe, self.emulate, self.name = recipe, emulate, name
@@ -158,18 +162,6 @@ class LowPrecisionGroupedMM:
             raise ValueError(f"LowPrecisionTraining({self.recipe}): {self.name} GEMM dims K={K}, N={N} (local shard) "
                              f"must be multiples of {self.align}; keep it in high precision with keep_bf16")
         return grouped_mm_padded(self._fn(), x_MK, w_EKN, offs_E, self.align)
-
-
-class _NoLoop:
-    """Replaces ``GroupedExperts.forward_loop`` of converted experts: the loop would bypass the low-precision seam."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        raise ValueError(f"LowPrecisionTraining: {self.name} fell back to the per-expert loop (see the warning "
-                         "above), which would skip low precision; fix the shapes or keep it in high precision with "
-                         "keep_bf16")
 
 
 def _as_list(value: Union[str, Sequence[str], None]) -> list[str]:
@@ -250,16 +242,19 @@ class LowPrecisionTraining(L.Callback):
     def transform_model(self, model: nn.Module) -> None:
         """Quantize the chosen modules of the (meta-device) model in place; idempotent."""
         from lightning_moe.moe.experts import GroupedExperts
+        from lightning_moe.moe.layer import MoELayer
 
         check_hardware(self.recipe, self.emulate, self._device(), dense=self.dense, experts=self.experts)
         align = RECIPES[self.recipe][1]
         self.converted, self.skipped = [], []
         linears: list[str] = []
+        # an MoE layer's plan depends on its experts' grouped GEMM: such experts get it through the layer
+        layers = {id(m.experts): m for m in model.modules() if isinstance(m, MoELayer)}
         for name, m in model.named_modules():
             if self._kept(name):
                 continue
             if self.experts and isinstance(m, GroupedExperts):
-                if isinstance(m._grouped_mm, LowPrecisionGroupedMM):
+                if isinstance(m.grouped_mm, LowPrecisionGroupedMM):
                     continue
                 if not m.use_grouped_mm:
                     raise ValueError(f"LowPrecisionTraining: {name} has use_grouped_mm=False; the low-precision "
@@ -267,8 +262,11 @@ class LowPrecisionTraining(L.Callback):
                 if m.dim % align or m.hidden_dim % align:
                     self.skipped.append(name)
                     continue
-                m._grouped_mm = LowPrecisionGroupedMM(self.recipe, self.emulate, name)
-                m.forward_loop = _NoLoop(name)
+                impl = LowPrecisionGroupedMM(self.recipe, self.emulate, name)
+                if id(m) in layers:
+                    layers[id(m)].replan(grouped_mm=impl)
+                else:
+                    m.set_grouped_mm(impl)
                 self.converted.append(name)
             elif self.dense and not isinstance(m, BlockScaledLinear) and isinstance(m, nn.Linear) \
                     and not _is_float8_linear(m):

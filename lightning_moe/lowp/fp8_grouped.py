@@ -1,5 +1,6 @@
-"""FP8 rowwise grouped GEMM for the routed experts (the ``GroupedExperts._grouped_mm`` seam): torchao's kernel on
-sm90 and an emulation with the same numerics that runs anywhere (CPU tests).
+"""FP8 rowwise grouped GEMM for the routed experts (behind ``LowPrecisionGroupedMM``, a
+:class:`~lightning_moe.moe.grouped_mm.GroupedMM`): torchao's kernel on sm90 and an emulation with the same numerics
+that runs anywhere (CPU tests).
 
 Legend: M rows (grouped by expert), K contraction, N output, E groups (local experts); ``offs_E`` int32 group ends.
 

@@ -20,7 +20,8 @@ local first dimension.
   * empty groups (repeated offsets) are valid; zero rows are valid in forward but the CUDA backward rejects the
     empty operand, so zero rows take plain matmuls (same empty output, zero weight gradients);
   * the CUDA kernel takes fewer than 1024 groups (local experts).
-Shapes the kernel cannot take fall back to :meth:`forward_loop` with a one-time warning.
+Shapes the kernel cannot take fall back to :meth:`forward_loop` with a one-time warning (when the grouped-GEMM
+implementation allows it: :mod:`lightning_moe.moe.grouped_mm`).
 On CUDA, bf16 x bf16 on sm90/sm100 takes the CUTLASS fast path without a host sync; other dtypes (fp32) use
 an ATen fallback (a loop of mm with one device-to-host copy of the offsets). Checked on an H200 with torch
 2.11+cu130: grouped == loop bitwise in bf16 and fp32 (uneven, empty and single-expert groups); the transposed
@@ -30,7 +31,7 @@ view and a contiguous [E, K, N] copy of the weight run at the same speed.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from lightning_moe.autograd import contiguous_grad_
 from lightning_moe.models import registry
 from lightning_moe.moe import kernels
+from lightning_moe.moe.grouped_mm import GroupedMM, TorchGroupedMM
 from lightning_moe.moe.kernels import swiglu
 from lightning_moe.moe.kernels import swiglu_reference as _swiglu_ref
 
@@ -69,15 +71,30 @@ class GroupedExperts(nn.Module):
             Python loop with one host sync), for platforms without the kernel.
         init_std: std of the normal init of ``w1`` and ``w3``.
         out_init_std: std of the normal init of ``w2`` (callers often scale it by depth); defaults to init_std.
+        grouped_mm: the grouped-GEMM implementation (:mod:`lightning_moe.moe.grouped_mm`; default
+            ``torch._grouped_mm``); FP8 / emulated backends are implementations, not subclasses.
 
     ``forward(x_RD, counts_e, probs_R=None)`` takes rows grouped by local expert (expert 0's rows first), int64
     counts per local expert ([e]) and optionally each row's combine weight ([R], fp32), which then scales the
-    SwiGLU activation before the down projection (``applies_row_probs``: the MoE layer hands the weights over and
-    combines unweighted); it returns [R, D] in the compute dtype (autocast dtype, else the weight dtype).
-    Subclasses (FP8 backends) override :meth:`_grouped_mm` only.
+    SwiGLU activation before the down projection; it returns [R, D] in the compute dtype (autocast dtype, else the
+    weight dtype).
+
+    What the MoE layer's plan may ask of the experts is declared per class: ``applies_row_weights`` (``forward``
+    takes ``probs_R`` and applies it: the layer's plan may then say ``weights_applied_by="experts"``) and
+    ``gathers_rows_from_tokens`` (``forward`` takes ``rows_from``, see :meth:`gathers_rows`). A subclass that
+    overrides ``forward`` declares neither unless it says so in its own body (its signature may be the bare
+    ``forward(x_RD, counts_e)``).
     """
 
-    applies_row_probs = True
+    applies_row_weights: ClassVar[bool] = True
+    gathers_rows_from_tokens: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:  # a new forward takes what it declares, nothing inherited
+            for flag in ("applies_row_weights", "gathers_rows_from_tokens"):
+                if flag not in cls.__dict__:
+                    setattr(cls, flag, False)
 
     def __init__(
         self,
@@ -88,6 +105,7 @@ class GroupedExperts(nn.Module):
         use_grouped_mm: bool = True,
         init_std: float = 0.02,
         out_init_std: Optional[float] = None,
+        grouped_mm: Optional[GroupedMM] = None,
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -100,6 +118,7 @@ class GroupedExperts(nn.Module):
         self.dim = dim
         self.hidden_dim = hidden_dim
         self.use_grouped_mm = use_grouped_mm
+        self.grouped_mm: GroupedMM = TorchGroupedMM() if grouped_mm is None else grouped_mm
         self.init_std = init_std
         self.out_init_std = init_std if out_init_std is None else out_init_std
         kw = {"device": device, "dtype": dtype}
@@ -112,7 +131,7 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}, "
-            f"use_grouped_mm={self.use_grouped_mm}"
+            f"use_grouped_mm={self.use_grouped_mm}, grouped_mm={self.grouped_mm!r}"
         )
 
     @torch.no_grad()
@@ -123,12 +142,16 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w2, mean=0.0, std=self.out_init_std)
 
     # ---- the seam -------------------------------------------------------------------------------
-    def _grouped_mm(self, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
-        """``y[rows of group g] = x[rows of group g] @ w_EKN[g]``; ``offs_E`` int32 cumulative group ends.
-
-        Inputs share one dtype; ``w_EKN`` is usually a transposed view of a contiguous [E, N, K] weight.
-        Override this (and only this) for FP8 / emulated backends."""
-        return torch._grouped_mm(x_MK, w_EKN, offs=offs_E)
+    def set_grouped_mm(self, impl: GroupedMM) -> None:
+        """Give the experts another grouped-GEMM implementation: a build-time step (a model transform, before the
+        model is parallelised); in an MoE layer, through :meth:`~lightning_moe.moe.layer.MoELayer.replan`, whose
+        plan depends on it."""
+        if not isinstance(impl, GroupedMM):
+            raise TypeError(f"grouped_mm must be a lightning_moe.moe.grouped_mm.GroupedMM, got {type(impl).__name__}")
+        if not self.use_grouped_mm and not impl.loop_fallback:
+            raise ValueError(f"{impl!r} needs the grouped GEMM, but these experts have use_grouped_mm=False (the "
+                             f"per-expert loop would skip it): {impl.fallback_hint}")
+        self.grouped_mm = impl
 
     # ---- forward paths ----------------------------------------------------------------------------
     def _local_weights(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, torch.dtype]:
@@ -165,7 +188,7 @@ class GroupedExperts(nn.Module):
         suit the grouped GEMM."""
         w1 = _local(self.w1)
         dtype = _compute_dtype(x_TD, w1)
-        return (self.use_grouped_mm and type(self)._grouped_mm is GroupedExperts._grouped_mm
+        return (self.use_grouped_mm and self.grouped_mm.exact_torch
                 and x_TD.dtype == dtype and kernels.use_triton(x_TD)
                 and self._grouped_mm_problem(x_TD, dtype, w1.shape[0], w1.shape[1]) is None)
 
@@ -186,15 +209,15 @@ class GroupedExperts(nn.Module):
             return contiguous_grad_(self.act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
         self._check_probs(x_RD, probs_R)
         if not self.use_grouped_mm:
-            return self.forward_loop(x_RD, counts_e, probs_R)
+            return self._loop(x_RD, counts_e, probs_R, "use_grouped_mm=False")
         w1, w2, w3, dtype = self._local_weights(x_RD)
         self._check(x_RD, counts_e, w1.shape[0])
         problem = self._grouped_mm_problem(x_RD, dtype, w1.shape[0], w1.shape[1])
         if problem is not None:
-            if not self._warned_fallback:
+            if self.grouped_mm.loop_fallback and not self._warned_fallback:
                 warnings.warn(f"GroupedExperts: {problem}; using the per-expert loop (slow)", stacklevel=2)
                 self._warned_fallback = True
-            return self.forward_loop(x_RD, counts_e, probs_R)
+            return self._loop(x_RD, counts_e, probs_R, problem)
         x = x_RD.to(dtype).contiguous()
         if x.shape[0] == 0:
             # no rows on this process (e.g. an EP rank that got no tokens): the CUDA grouped-GEMM backward
@@ -202,7 +225,7 @@ class GroupedExperts(nn.Module):
             h_0F = _swiglu_ref(x @ w1[0].transpose(0, 1), x @ w3[0].transpose(0, 1), probs_R)
             return h_0F @ w2[0].transpose(0, 1)
         offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
-        gmm = self._grouped_mm
+        gmm = self.grouped_mm
         # w[E, N, K].transpose(-2, -1) is the column-major [E, K, N] operand: x @ w[e].T, no copy
         g_RF = contiguous_grad_(gmm(x, w1.transpose(-2, -1), offs_e))
         u_RF = contiguous_grad_(gmm(x, w3.transpose(-2, -1), offs_e))
@@ -214,7 +237,13 @@ class GroupedExperts(nn.Module):
         ``activation_checkpointing=[moe_act]`` recomputes (then h is not kept for the backward; see
         :mod:`lightning_moe.parallel.recompute`)."""
         # SwiGLU: a fused Triton kernel on CUDA (lightning_moe.moe.kernels), the torch reference elsewhere
-        return self._grouped_mm(swiglu(g_RF, u_RF, probs_R), w2_EFD, offs_e)
+        return self.grouped_mm(swiglu(g_RF, u_RF, probs_R), w2_EFD, offs_e)
+
+    def _loop(self, x_RD: Tensor, counts_e: Tensor, probs_R: Optional[Tensor], why: str) -> Tensor:
+        if not self.grouped_mm.loop_fallback:
+            raise ValueError(f"GroupedExperts: {why}, and its grouped GEMM {self.grouped_mm!r} has no per-expert "
+                             f"loop fallback (the loop would skip it): {self.grouped_mm.fallback_hint}")
+        return self.forward_loop(x_RD, counts_e, probs_R)
 
     def forward_loop(self, x_RD: Tensor, counts_e: Tensor, probs_R: Optional[Tensor] = None) -> Tensor:
         """Reference: a Python loop over local experts with plain matmuls (one host sync for the counts)."""

@@ -1,16 +1,16 @@
 """MoE layer: route -> dispatch -> grouped experts -> combine (+ shared experts).
 
 Legend: B batch, S sequence, T = B*S tokens, D hidden, E experts, e local experts, R routed rows.
-The layer is single-device code: parallelize swaps ``self.dispatcher`` for a distributed dispatcher and turns
-the expert weights into DTensors; nothing here looks up a process group.
+The layer is single-device code: parallelize gives its plan a distributed dispatcher (:meth:`MoELayer.replan`) and
+turns the expert weights into DTensors; nothing here looks up a process group. The path of the input is the plan's
+(:mod:`lightning_moe.moe.layer_plan`): router -> ``plan.dispatcher`` -> experts -> ``plan.dispatcher.combine``.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -19,10 +19,14 @@ from lightning_moe.autograd import in_recomputation
 from lightning_moe.config import MoEConfig
 from lightning_moe.models.registry import build
 from lightning_moe.moe import experts as _experts  # noqa: F401  (registers the built-in experts this layer builds)
-from lightning_moe.moe.dispatcher import LocalDispatcher, TokenDispatcher
+from lightning_moe.moe.dispatch import LocalDispatcher, TokenDispatcher
+from lightning_moe.moe.grouped_mm import GroupedMM
+from lightning_moe.moe.layer_plan import MoELayerPlan, PlanOptions, make_plan
 from lightning_moe.moe.router import RoutingResult
 
 __all__ = ["MoELayer", "RoutingStats"]
+
+_PLANNED = ("dispatcher", "regather_rows", "overlap_shared_experts")  # instance attributes the plan owns
 
 
 @dataclass
@@ -45,17 +49,6 @@ class RoutingStats:
 
     def _fields(self) -> tuple[Tensor, ...]:
         return (self.tokens_per_expert, self.num_dropped, self.num_tokens, self.aux_loss, self.z_loss, self.entropy)
-
-
-@functools.lru_cache(maxsize=None)
-def _class_forward_takes(cls: type, name: str) -> bool:
-    return name in inspect.signature(cls.forward).parameters
-
-
-def _forward_takes(module: nn.Module, name: str) -> bool:
-    """Whether the module's class ``forward`` has parameter ``name`` (a registered subclass may override forward
-    with the older signature; instance-level wrappers, e.g. recomputation's, pass everything through)."""
-    return _class_forward_takes(type(module), name)
 
 
 @torch.no_grad()
@@ -88,6 +81,9 @@ class MoELayer(nn.Module):
         Training forwards also add to the statistics :meth:`pop_routing_stats` returns (once per optimizer step).
         Forwards re-run by activation checkpointing (inside backward) leave all of these untouched.
 
+    ``plan`` (:class:`~lightning_moe.moe.layer_plan.MoELayerPlan`): the dispatcher, grouped GEMM and combine path,
+    decided when the layer is built and again by :meth:`replan` (parallelize, model transforms); options:
+
     ``regather_rows`` (default True): on one process with the fused CUDA kernels, the experts gather their rows
     from the tokens (again in the backward) rather than keeping them; False keeps the dispatcher's copy (benchmarks).
     ``overlap_shared_experts`` (default True): with a distributed dispatcher that ``overlaps`` (all-to-all,
@@ -96,6 +92,10 @@ class MoELayer(nn.Module):
     side stream). The same operations on the same inputs: the output and gradients are unchanged. Forward only:
     in the backward a collective waits on everything queued before it, and torch's functional collectives wait
     for their own result at once, so overlapping the backward would need a side stream.
+    ``weights_applied_by`` (default ``"auto"``): who applies the combine weights, see
+    :mod:`~lightning_moe.moe.layer_plan`.
+    The class attributes ``regather_rows`` and ``overlap_shared_experts`` are the defaults a layer's plan is built
+    with (set them on the class before building); a built layer changes them through :meth:`replan` only.
     """
 
     regather_rows = True
@@ -124,8 +124,12 @@ class MoELayer(nn.Module):
             self.shared_experts = build("shared_experts", config.shared_experts, hidden_size,
                                         config.shared_expert_hidden_size, gate=config.shared_expert_gate,
                                         init_std=init_std, out_init_std=out_init_std)
-        # a plain attribute (not a submodule): parallelize replaces it with a distributed dispatcher
-        self.dispatcher: TokenDispatcher = LocalDispatcher(pad_to_capacity=config.pad_to_capacity)
+        # a plain attribute (the dispatcher is no submodule): parallelize re-plans with a distributed dispatcher
+        self.plan: MoELayerPlan = make_plan(
+            self.experts, LocalDispatcher(pad_to_capacity=config.pad_to_capacity),
+            has_shared_experts=self.shared_experts is not None,
+            options=PlanOptions(regather_rows=type(self).regather_rows,
+                                overlap_shared_experts=type(self).overlap_shared_experts))
         self.last_aux_loss: Optional[Tensor] = None
         self.last_z_loss: Optional[Tensor] = None
         self.last_stats: dict[str, Tensor] = {}
@@ -139,8 +143,39 @@ class MoELayer(nn.Module):
         state["_routing_stats"] = None
         return state
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _PLANNED:  # the plan decides these once: a plain assignment would silently change nothing
+            raise AttributeError(f"MoELayer.{name} is part of the layer's plan: call layer.replan({name}=...)"
+                                 + ("" if name == "dispatcher" else f", or set MoELayer.{name} before building"))
+        super().__setattr__(name, value)
+
+    @property
+    def dispatcher(self) -> TokenDispatcher:
+        return self.plan.dispatcher
+
+    def replan(self, *, dispatcher: Optional[TokenDispatcher] = None, grouped_mm: Optional[GroupedMM] = None,
+               **options: Any) -> MoELayerPlan:
+        """Decide the layer's path again with a new component (``dispatcher``: parallelize; ``grouped_mm``: a model
+        transform, given to the experts) and / or changed :class:`~lightning_moe.moe.layer_plan.PlanOptions`
+        (``weights_applied_by``, ``regather_rows``, ``overlap_shared_experts``); the rest is kept. A build-time step:
+        the forward only reads the plan. Returns the new plan; on error the old one stays."""
+        unknown = set(options) - {f.name for f in dataclasses.fields(PlanOptions)}
+        if unknown:
+            raise ValueError(f"MoELayer.replan: unknown options {sorted(unknown)}; valid: dispatcher, grouped_mm, "
+                             f"{', '.join(f.name for f in dataclasses.fields(PlanOptions))}")
+        if grouped_mm is not None and not hasattr(self.experts, "set_grouped_mm"):
+            raise ValueError(f"MoELayer.replan(grouped_mm=...): the experts ({type(self.experts).__name__}) have no "
+                             "grouped-GEMM seam (set_grouped_mm)")
+        plan = make_plan(self.experts, dispatcher if dispatcher is not None else self.plan.dispatcher,
+                         has_shared_experts=self.shared_experts is not None,
+                         options=dataclasses.replace(self.plan.options, **options), grouped_mm=grouped_mm)
+        if grouped_mm is not None:
+            self.experts.set_grouped_mm(grouped_mm)
+        self.plan = plan
+        return plan
+
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, top_k={self.top_k}, dispatcher={type(self.dispatcher).__name__}"
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, plan={self.plan}"
 
     def forward(self, x_BSD: Tensor, padding_mask_BS: Optional[Tensor] = None) -> Tensor:
         """``padding_mask_BS``: bool [B, S], True = real token, False = padding (the router's convention; padding
@@ -157,33 +192,32 @@ class MoELayer(nn.Module):
 
         routing: RoutingResult = self.router(x_TD, valid_T, seq_len=S)
         self._record(routing, valid_T, B * S, x_TD.device)
+        plan = self.plan
+        weights_by = plan.weights_applied_by
         shared_TD: list[Tensor] = []  # the shared experts' output when the dispatch overlapped them
 
         # One process with the fused kernels: the experts gather their rows from x_TD themselves and again in the
         # backward, keeping no [R, D] copy (k times x_TD) for their weight gradients. Else the dispatcher moves them.
-        if (self.regather_rows and isinstance(self.dispatcher, LocalDispatcher)
-                and _forward_takes(self.experts, "rows_from") and self.experts.gathers_rows(x_TD)):
-            counts_e, ctx = self.dispatcher.plan(routing, self.num_experts)
+        if plan.regather_rows and self.experts.gathers_rows(x_TD):
+            counts_e, ctx = plan.dispatcher.layout(routing, self.num_experts, weights_applied_by=weights_by)
             x_RD, rows_from = None, {"rows_from": (x_TD, ctx.asg_R, ctx.pos_TK)}
         else:
-            overlap = {}
-            if (self.shared_experts is not None and self.overlap_shared_experts
-                    and getattr(self.dispatcher, "overlaps", False)):
-                overlap["overlap"] = lambda: shared_TD.append(self.shared_experts(x_TD))
-            x_RD, counts_e, ctx = self.dispatcher.dispatch(x_TD, routing, self.num_experts, **overlap)
-            assert len(shared_TD) == len(overlap), "a dispatcher that overlaps must run `overlap` exactly once"
+            overlap = (lambda: shared_TD.append(self.shared_experts(x_TD))) if plan.overlap_shared_experts else None
+            x_RD, counts_e, ctx = plan.dispatcher.dispatch(x_TD, routing, self.num_experts,
+                                                           weights_applied_by=weights_by, overlap=overlap)
+            if overlap is not None and len(shared_TD) != 1:
+                raise RuntimeError(f"{type(plan.dispatcher).__name__} declares overlaps=True but ran `overlap` "
+                                   f"{len(shared_TD)} times (exactly once is the contract)")
             rows_from = {}
-        # The combine weights go into the experts (scaling their activation before the down projection, as
-        # Megatron-Core does) when both sides can: the combine is then a plain sum whose backward keeps nothing of
-        # the [R, D] expert output. Otherwise combine weights the rows.
-        takes_probs = getattr(self.experts, "applies_row_probs", False) and _forward_takes(self.experts, "probs_R")
-        probs_R = self.dispatcher.row_probs(ctx) if takes_probs else None
-        if probs_R is None:
-            y_RD = self.experts(x_RD, counts_e, **rows_from)
+        # "experts": the experts get the rows' weights as an argument and scale their activation before the down
+        # projection (as Megatron-Core does), so the combine is a plain sum whose backward keeps nothing of the
+        # [R, D] expert output; "combine": the combine weights the rows.
+        if weights_by == "experts":
+            y_RD = self.experts(x_RD, counts_e, ctx.probs_R, **rows_from)
         else:
-            y_RD = self.experts(x_RD, counts_e, probs_R, **rows_from)
+            y_RD = self.experts(x_RD, counts_e, **rows_from)
         # combine in the input dtype (the k-sum accumulates in fp32 with the fused kernels)
-        y_TD = self.dispatcher.combine(y_RD.to(x_TD.dtype), ctx)
+        y_TD = plan.dispatcher.combine(y_RD.to(x_TD.dtype), ctx, weights_applied_by=weights_by)
         if self.shared_experts is not None:
             y_TD = y_TD + (shared_TD[0] if shared_TD else self.shared_experts(x_TD))
         return y_TD.to(x_BSD.dtype).reshape(B, S, D)

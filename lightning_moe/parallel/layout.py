@@ -25,7 +25,7 @@ __all__ = ["AC_MODES", "RECOMPUTE_KINDS", "DISPATCHERS", "TP_COLWISE", "TP_ROWWI
 AC_MODES = ("none", "full")
 # module kinds ``activation_checkpointing`` may list (Megatron's --recompute-modules); none of them holds a collective
 RECOMPUTE_KINDS = ("norm", "attn_core", "moe_act", "experts", "shared_experts", "mla_up_proj")
-DISPATCHERS = ("alltoall", "allgather", "deepep")  # deepep: optional backend, lightning_moe.moe.deepep
+DISPATCHERS = ("alltoall", "allgather", "deepep")  # deepep: optional backend, lightning_moe.moe.dispatch.deepep
 # block-relative module names split by tensor parallelism (a model has the ones its attention kind defines). MLA splits
 # its heads after the low-rank projections (as Megatron does): the up-projections wq_b / wkv_b (wq without q
 # compression) column-wise; the latent down-projections wq_a / wkv_a (with the shared RoPE key) and their norms

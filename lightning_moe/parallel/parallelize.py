@@ -27,8 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_moe.autograd import recompute_context
 from lightning_moe.models.transformer import MLAttention, MoETransformer
-from lightning_moe.moe.deepep import DeepEPDispatcher
-from lightning_moe.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from lightning_moe.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, DeepEPDispatcher
 from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.layout import (AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE, check_recompute_num_layers,
@@ -189,11 +188,12 @@ def apply_ep(model: MoETransformer, dims: ParallelDims, dispatcher: str = "allto
         _shard_param(layer.experts, "w3", mesh, w13)
         _shard_param(layer.experts, "w2", mesh, w2)
         if dispatcher == "alltoall":
-            layer.dispatcher = AllToAllDispatcher(ep_group, etp_group, pad_to_capacity=layer.config.pad_to_capacity)
+            layer.replan(dispatcher=AllToAllDispatcher(ep_group, etp_group,
+                                                       pad_to_capacity=layer.config.pad_to_capacity))
         elif dispatcher == "deepep":
-            layer.dispatcher = DeepEPDispatcher(ep_group, etp_group)
+            layer.replan(dispatcher=DeepEPDispatcher(ep_group, etp_group))
         else:
-            layer.dispatcher = AllGatherDispatcher(ep_group, etp_group)
+            layer.replan(dispatcher=AllGatherDispatcher(ep_group, etp_group))
 
 
 def apply_router_groups(model: MoETransformer, dims: ParallelDims) -> None:

@@ -139,7 +139,7 @@ class MoEParallelStrategy(ParallelStrategy):
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
         if dispatcher == "deepep":  # missing package or unsupported sizes: an error now, not after launch
-            from lightning_moe.moe.deepep import check_deepep_sizes, import_deep_ep
+            from lightning_moe.moe.dispatch.deepep import check_deepep_sizes, import_deep_ep
 
             import_deep_ep()
             check_deepep_sizes(ep, etp)
@@ -246,7 +246,7 @@ class MoEParallelStrategy(ParallelStrategy):
     def _check_deepep(self, dims: ParallelDims) -> None:
         """What DeepEP's intranode kernels need of the run, before any process group exists: CUDA devices, every ep
         group on one node, bf16 activations (the dispatcher checks the activations' dtype again at the first step)."""
-        from lightning_moe.moe.deepep import check_deepep_dtype, check_deepep_nodes
+        from lightning_moe.moe.dispatch.deepep import check_deepep_dtype, check_deepep_nodes
 
         if self.root_device.type != "cuda":
             raise RuntimeError(f"dispatcher='deepep' runs on CUDA GPUs, got {self.root_device.type} devices: use "

@@ -1,7 +1,7 @@
 """DeepEP token dispatch, an optional backend: ``DeepEPDispatcher`` moves tokens over ``ep`` with DeepEP's legacy
 (V1) ``deep_ep.Buffer`` normal kernels, intranode (NVLink), behind the :class:`TokenDispatcher` contract.
 
-Legend as in :mod:`lightning_moe.moe.dispatcher`; N: rows this rank receives (one per source token that chose at
+Legend as in :mod:`lightning_moe.moe.dispatch.alltoall`; N: rows this rank receives (one per source token that chose at
 least one of its experts, however many), a: ``expert_alignment``.
 
 DeepEP moves TOKENS, not assignments: a token that chose several experts of one rank travels to it once, with its
@@ -11,7 +11,7 @@ as the other dispatchers, and sums them back per received row before DeepEP's co
 outputs on the token's owner::
 
     x_TD --Buffer.dispatch--> x_ND, ids_NK (local, -1), w_NK (0 off this rank) --permute--> x_RD by local expert
-    y_RD --unpermute (weights w_NK, or unweighted after row_probs)--> y_ND --Buffer.combine (sum over ranks)--> y_TD
+    y_RD --unpermute (weights w_NK; none if the experts applied them)--> y_ND --Buffer.combine (sum over ranks)--> y_TD
 
 Inside a local expert the rows keep DeepEP's receive order (source rank, then token), as the all-to-all
 dispatcher's do. With ``expert_alignment`` a > 1 every expert's row count is rounded up to a multiple of a (DeepEP
@@ -45,22 +45,15 @@ import inspect
 import itertools
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_moe.moe.dispatcher import (
-    DispatchContext,
-    GroupLike,
-    _count,
-    _group_slots,
-    _GroupedDispatcher,
-    _permute,
-    _row_probs,
-    _unpermute,
-)
+from lightning_moe.moe.dispatch.base import DispatchContext, _permute, _unpermute
+from lightning_moe.moe.dispatch.groups import GroupLike, _GroupedDispatcher
+from lightning_moe.moe.dispatch.layout import _count, _group_slots
 from lightning_moe.moe.router import RoutingResult
 
 __all__ = ["DeepEPDispatcher", "DEEPEP_COMMIT", "import_deep_ep", "check_deepep_sizes", "check_deepep_nodes",
@@ -276,9 +269,8 @@ class DeepEPDispatcher(_GroupedDispatcher):
         self._buffer = buffer
         self.dtypes: tuple[torch.dtype, ...] = tuple(getattr(buffer, "dtypes", (torch.bfloat16,)))
 
-    def dispatch(
-        self, x_TD: Tensor, routing: RoutingResult, num_experts: int
-    ) -> tuple[Tensor, Tensor, DispatchContext]:
+    def _dispatch(self, x_TD: Tensor, routing: RoutingResult, num_experts: int,
+                  overlap: Optional[Callable[[], Any]]) -> tuple[Tensor, Tensor, DispatchContext]:
         E = num_experts
         self._local_experts(E)
         check_deepep_dtype(x_TD.dtype, self.dtypes)
@@ -302,10 +294,9 @@ class DeepEPDispatcher(_GroupedDispatcher):
         ctx.extra = st
         return x_RD, torch.tensor(st.counts, dtype=torch.long, device=x_TD.device), ctx
 
-    def row_probs(self, ctx: DispatchContext) -> Tensor:
-        return _row_probs(ctx)  # ctx holds the received rows' weights: every expert row has its own
+    # the inherited _row_weights: ctx holds the received rows' weights, so every expert row has its own
 
-    def combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
+    def _combine(self, y_RD: Tensor, ctx: DispatchContext) -> Tensor:
         return _Combine.apply(_unpermute(y_RD, ctx), ctx.extra)
 
     def __repr__(self) -> str:
