@@ -80,7 +80,25 @@ __all__ = ["PackedDataset", "ResumableDataLoader", "ResumableDistributedSampler"
            "document_positions", "pack_documents"]
 
 
-class PackedDataset(Dataset):
+class _Samples(Dataset):
+    """``num_samples`` samples numbered from ``first`` in some storage: length and index checks."""
+
+    first: int
+    num_samples: int
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _sample(self, index: int) -> int:
+        """The storage number of item ``index`` (negative indices count from the end)."""
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        return self.first + index
+
+
+class PackedDataset(_Samples):
     """``num_samples`` windows of a flat token stream; item ``i`` starts at ``first * seq_len + i * seq_len``.
 
     Items are ``{"input_ids": LongTensor[S], "labels": LongTensor[S]}`` with ``labels`` the inputs
@@ -98,15 +116,8 @@ class PackedDataset(Dataset):
         self.num_samples = num_samples
         self.positions = positions
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        start = (self.first + index) * self.seq_len
+        start = self._sample(index) * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1].long()
         if self.positions is None:
             return {"input_ids": window[:-1], "labels": window[1:]}
@@ -125,22 +136,16 @@ def document_positions(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (idx - first).to(torch.int32)
 
 
-class RowsDataset(Dataset):
+class RowsDataset(_Samples):
     """Rows ``first .. first + num_samples`` of ready-made [N, S] tensors (chat data): item ``i`` is every tensor's
     row ``first + i``."""
 
     def __init__(self, rows: dict[str, torch.Tensor], first: int, num_samples: int) -> None:
         self.rows, self.first, self.num_samples = rows, first, num_samples
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        return {k: v[self.first + index] for k, v in self.rows.items()}
+        row = self._sample(index)
+        return {k: v[row] for k, v in self.rows.items()}
 
 
 def pack_documents(docs: list[str], tokenizer: Any, eos_id: int, max_tokens: Optional[int] = None) -> torch.Tensor:
