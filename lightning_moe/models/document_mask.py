@@ -92,6 +92,17 @@ def _flex_functions(device: torch.device):
     return flex_attention, create_block_mask
 
 
+@functools.cache
+def _varlen_params() -> tuple[str, ...]:
+    """The parameters of this torch's ``varlen_attn``: causal is ``window_size=(-1, 0)`` (torch >= 2.10) or
+    ``is_causal=True`` (2.9, which has no ``scale`` either)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return tuple(inspect.signature(varlen_attn).parameters)
+
+
 def varlen_segments(doc_BS: Tensor) -> tuple[Tensor, int]:
     """``cu_seqlens`` (int32 [N + 1]) and the longest segment of the flattened [B * S] tokens: a segment is a run of
     one document id inside a row. Two host syncs (the segment count and the longest), once per forward."""
@@ -183,7 +194,12 @@ class DocumentMask:
         if k_shared_B1SP is not None:
             k_BSGK = torch.cat([k_BSGK, k_shared_B1SP.transpose(1, 2).expand(-1, -1, H, -1)], dim=-1)
         T = B * S
+        if "window_size" in _varlen_params():
+            causal = {"scale": scale, "window_size": (-1, 0)}
+        elif scale is None:
+            causal = {"is_causal": True}
+        else:
+            raise ValueError("this torch's varlen_attn takes no scale: use attn_impl='flex'")
         o_THV = varlen_attn(q_BSHK.reshape(T, H, -1), k_BSGK.reshape(T, H, -1), v_BSGV.reshape(T, H, -1),
-                            self.cu_seqlens, self.cu_seqlens, self.max_len, self.max_len, scale=scale,
-                            window_size=(-1, 0))
+                            self.cu_seqlens, self.cu_seqlens, self.max_len, self.max_len, **causal)
         return o_THV.view(B, S, H, -1).transpose(1, 2)
