@@ -97,8 +97,9 @@ def check_kernels(impls: list[str], device: torch.device, small: bool) -> list[d
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = []
     for attention, fields in (("gqa", dict(num_heads=8, num_kv_heads=2, head_dim=64, qk_norm="head")),
-                              ("mla", dict(attention="mla", qk_norm="none", num_heads=4, q_lora_rank=64, kv_lora_rank=64,
-                                           qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64))):
+                              ("mla", dict(attention="mla", qk_norm="none", num_heads=4, q_lora_rank=64,
+                                           kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                           v_head_dim=64))):
         cfg = ModelConfig.from_preset("tiny", hidden_size=256, num_layers=2, max_seq_len=512,
                                       moe={"num_experts": 8, "top_k": 2, "expert_hidden_size": 128}, **fields)
         torch.manual_seed(0)
@@ -218,13 +219,15 @@ def table(report: dict[str, Any]) -> str:
                      f"{peak if peak is not None else float('nan'):>8.1f}  {status}")
     lines += ["", "document mask / causal tokens/s:"]
     for q in report["ratios"]:
+        warn = "" if q["same_first_batch"] else "  WARNING: batches differ"
         lines.append(f"  {q['case']:<12} {q['kernel']:<8} {q['ratio']:.3f}x  (target >= {q['target']}: "
-                     f"{'met' if q['met'] else 'NOT met'})" + ("" if q["same_first_batch"] else "  WARNING: batches differ"))
+                     f"{'met' if q['met'] else 'NOT met'}){warn}")
     return "\n".join(lines)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--impls", default="varlen,flex", help="document-masked kernels (attn_impl), in priority order")
     p.add_argument("--steps", type=int, default=12)
@@ -241,7 +244,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.precision = "bf16-true" if args.device == "cuda" else "32-true"
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    unknown = [c for c in args.cases if c not in TARGETS] + [i for i in args.impls if i not in ("varlen", "flex", "sdpa")]
+    kernels = ("varlen", "flex", "sdpa")
+    unknown = [c for c in args.cases if c not in TARGETS] + [i for i in args.impls if i not in kernels]
     if unknown:
         raise ValueError(f"unknown cases or kernels {unknown}; cases: {list(TARGETS)}, kernels: varlen, flex, sdpa")
     if args.steps <= args.warmup:

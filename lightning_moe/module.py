@@ -20,6 +20,7 @@ expert bias: they are refused at setup.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any, Callable, Optional, Sequence, Union
@@ -154,8 +155,6 @@ class MoELanguageModel(L.LightningModule):
                 config = config_from_hf(hf)
         self.config = _resolve_config("tiny" if config is None else config)
         if attn_impl is not None:
-            import dataclasses
-
             self.config = dataclasses.replace(self.config, attn_impl=attn_impl)
         if pretrained is not None:
             from lightning_moe.models.hf import _config_differences, config_from_hf

@@ -148,7 +148,8 @@ def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1
     """Train STEPS SGD steps on the fixed data under ``layout`` (None = one process, default strategy); return
     the per-step losses (train_loss and the logged aux and z losses), the full final state dict, and every rank's
     expert biases. ``model``: ModelConfig overrides; ``padded``: batches carry attention masks after
-    :data:`PAD_PATTERNS`; ``packed``: they carry per-document ``position_ids`` after :data:`PACK_PATTERNS`; ``lr``: the SGD step size."""
+    :data:`PAD_PATTERNS`; ``packed``: they carry per-document ``position_ids`` after :data:`PACK_PATTERNS`;
+    ``lr``: the SGD step size."""
     from lightning_moe import MoEParallelStrategy
 
     cfg = small_config(model, **(moe or {}))

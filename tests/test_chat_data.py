@@ -137,8 +137,8 @@ def test_tokenizer_without_template_and_bad_options(tmp_path, chat_file, tok_dir
 def test_template_that_rewrites_earlier_turns_is_refused(tmp_path, tok_dir):
     tok = load_hf_tokenizer(tok_dir)
     # renders an assistant turn differently when it is the last one (as templates that drop earlier reasoning do)
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-                         "{% if loop.last %}.{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if loop.last %}.{% endif %}"
+                         "\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     path = write_jsonl(tmp_path / "c.jsonl", conversations(3)[2:])
     with pytest.raises(ValueError, match=r"c\.jsonl:1: the chat template renders turn 2 differently"):
         tokenize_chat_files(path, tok, 128)

@@ -280,8 +280,9 @@ class Attention(nn.Module):
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
                 cache: Optional[LayerKVCache] = None) -> Tensor:
         """``mask``: the key padding mask [B, S] (True = real token; None = no padding), causal masking is implied;
-        or a :class:`~lightning_moe.models.document_mask.DocumentMask` for packed sequences. With ``cache``: positions [B, S] and mask [B, 1, S, L] come from :meth:`KVCache.begin`; keys and values
-        of earlier slots are read from the cache and this forward's are appended."""
+        or a :class:`~lightning_moe.models.document_mask.DocumentMask` for packed sequences. With ``cache``:
+        positions [B, S] and mask [B, 1, S, L] come from :meth:`KVCache.begin`; keys and values of earlier slots are
+        read from the cache and this forward's are appended."""
         B, S, _ = x_BSD.shape
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         if self.qk_norm == "full":
