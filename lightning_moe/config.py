@@ -190,6 +190,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    # packed batches (position_ids restarting per document): the document-masked attention kernel, see
+    # lightning_moe.models.document_mask ("auto": varlen / flex on CUDA, sdpa elsewhere); unpacked batches use SDPA
+    attn_impl: str = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -208,6 +211,13 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
+        from lightning_moe.models.document_mask import ATTN_IMPLS
+
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.attn_impl == "varlen" and not self.same_head_dims:
+            raise ValueError(f"attn_impl='varlen' needs one head dim for q, k and v, but MLA's are "
+                             f"{self.qk_nope_head_dim + self.qk_rope_head_dim} and {self.v_head_dim}: use 'flex'")
         if self.attention != "mla":
             if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads != 0:
                 raise ValueError(
@@ -239,6 +249,11 @@ class ModelConfig:
             raise ValueError("dense_hidden_size must be positive when some layers are dense")
 
     # ---- derived -------------------------------------------------------------------------------
+    @property
+    def same_head_dims(self) -> bool:
+        """q, k and v share one head dim (GQA always; MLA when qk_nope + qk_rope == v_head_dim)."""
+        return self.attention != "mla" or self.qk_nope_head_dim + self.qk_rope_head_dim == self.v_head_dim
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         if self.moe.num_experts == 0 or layer_idx < self.moe.first_k_dense:
             return False

@@ -20,6 +20,7 @@ expert bias: they are refused at setup.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any, Callable, Optional, Sequence, Union
@@ -63,13 +64,25 @@ def _resolve_config(config: Union[ModelConfig, str, dict]) -> ModelConfig:
     return resolve_model_config(config)
 
 
-def shift_labels(input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None) -> Tensor:
-    """Hugging Face convention: labels are the inputs shifted left by one; the last position and padding are -100."""
+def shift_labels(input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
+                 position_ids_BS: Optional[Tensor] = None) -> Tensor:
+    """Our label convention: labels are the inputs shifted left by one (``labels[t]`` is the token after
+    ``input_ids[t]``); the last position, padding and, for packed documents, each document's last token are -100."""
     labels = torch.full_like(input_ids_BS, IGNORE_INDEX)
     labels[:, :-1] = input_ids_BS[:, 1:]
     if attention_mask_BS is not None:
         labels[:, :-1] = labels[:, :-1].masked_fill(attention_mask_BS[:, 1:] == 0, IGNORE_INDEX)
-    return labels
+    return mask_document_ends(labels, position_ids_BS)
+
+
+def mask_document_ends(labels_BS: Tensor, position_ids_BS: Optional[Tensor]) -> Tensor:
+    """Packed documents: -100 wherever the next token starts a document (position 0), so no label predicts
+    across a boundary."""
+    if position_ids_BS is None:
+        return labels_BS
+    labels_BS = labels_BS.clone()
+    labels_BS[:, :-1] = labels_BS[:, :-1].masked_fill(position_ids_BS[:, 1:] == 0, IGNORE_INDEX)
+    return labels_BS
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -113,6 +126,15 @@ class MoELanguageModel(L.LightningModule):
         loss_impl: how the output projection and cross-entropy run (:mod:`lightning_moe.models.lm_loss`):
             ``"auto"`` (chunked on CUDA: no [tokens, vocab] logits held, the gradients taken in the forward),
             ``"torch"`` (the reference), ``"chunked"``, ``"liger"`` (liger-kernel, the ``lm`` extra).
+        attn_impl: the attention kernel of packed batches (``position_ids``), replacing ``config.attn_impl``
+            (:mod:`lightning_moe.models.document_mask`): ``"auto"``, ``"sdpa"``, ``"flex"``, ``"varlen"``; None
+            keeps the config's (also with ``pretrained``).
+
+    Batches: ``input_ids`` [B, S]; optional ``labels`` [B, S] *pre-shifted* (``labels[t]`` is the token after
+    ``input_ids[t]``, -100 = ignore; absent: the inputs shifted), ``attention_mask`` and ``position_ids`` [B, S]
+    (packed documents: positions restarting at 0 at each document start; attention then stays inside each document
+    and the labels of documents' last tokens are dropped). Hugging Face's unshifted labels (``labels == input_ids``,
+    as ``DataCollatorWithFlattening`` writes) are refused on the first training batch.
     """
 
     def __init__(
@@ -132,6 +154,7 @@ class MoELanguageModel(L.LightningModule):
         pretrained: Optional[str] = None,
         predict_max_new_tokens: int = 64,
         loss_impl: str = "auto",
+        attn_impl: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.hf_model_type: Optional[str] = None
@@ -143,6 +166,8 @@ class MoELanguageModel(L.LightningModule):
             if config is None:
                 config = config_from_hf(hf)
         self.config = _resolve_config("tiny" if config is None else config)
+        if attn_impl is not None:
+            self.config = dataclasses.replace(self.config, attn_impl=attn_impl)
         check_components(self.config)  # a misspelt component fails here, before the Trainer starts
         if pretrained is not None:
             from lightning_moe.models.hf import _config_differences, config_from_hf
@@ -162,7 +187,7 @@ class MoELanguageModel(L.LightningModule):
             {"config": self.config.to_dict(), "lr": lr, "min_lr_ratio": min_lr_ratio, "warmup_steps": warmup_steps,
              "max_steps": max_steps, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused,
              "master_dtype": master_dtype, "skip_empty_steps": skip_empty_steps, "pretrained": pretrained,
-             "predict_max_new_tokens": predict_max_new_tokens, "loss_impl": loss_impl}
+             "predict_max_new_tokens": predict_max_new_tokens, "loss_impl": loss_impl, "attn_impl": attn_impl}
         )
         if loss_impl not in LOSS_IMPLS:
             raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {loss_impl!r}")
@@ -187,6 +212,7 @@ class MoELanguageModel(L.LightningModule):
         self._last_saved_step = -1  # global step of the last checkpoint saved in this process
         self._restored_hparams: Optional[dict[str, Any]] = None  # of the checkpoint being resumed
         self._initial_state: Optional[dict[str, Tensor]] = None  # full weights to start from (upcycling)
+        self._train_batch_checked = False  # the first training batch gets validate_batch (label convention too)
 
     # ---- strategy ---------------------------------------------------------------------------------------
     @property
@@ -253,13 +279,16 @@ class MoELanguageModel(L.LightningModule):
             # weights as one process (CPU runs are small).
             _load_unsharded_init(model, self.config, torch.initial_seed())
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        """Logits [B, S, V]. Checks the inputs against the model's limits (vocabulary, max_seq_len, a 0/1 mask):
-        a ValueError naming the limit, not an IndexError deep inside the model."""
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                position_ids: Optional[Tensor] = None) -> Tensor:
+        """Logits [B, S, V]. ``position_ids`` [B, S]: packed documents (positions restarting at 0 at each document
+        start; attention never crosses a document). Checks the inputs against the model's limits (vocabulary,
+        max_seq_len, a 0/1 mask, well-formed positions): a ValueError naming the limit, not an IndexError deep inside
+        the model."""
         assert self.model is not None, "call configure_model() first (the Trainer does)"
-        self._check_batch({"input_ids": input_ids, **({"attention_mask": attention_mask}
-                                                       if attention_mask is not None else {})})
-        return self.model(input_ids, attention_mask)
+        optional = {"attention_mask": attention_mask, "position_ids": position_ids}
+        self._check_batch({"input_ids": input_ids, **{k: v for k, v in optional.items() if v is not None}})
+        return self.model(input_ids, attention_mask, position_ids_BS=position_ids)
 
     def _check_batch(self, batch: dict[str, Tensor]) -> None:
         from lightning_moe.data.collate import validate_batch
@@ -347,24 +376,32 @@ class MoELanguageModel(L.LightningModule):
         """(sum of token losses, local valid-token count) for a batch, in fp32."""
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
+        position_ids = batch.get("position_ids")
         labels = batch.get("labels")
         if labels is None:
-            labels = shift_labels(input_ids, attention_mask)
-        elif attention_mask is not None:
-            labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            labels = shift_labels(input_ids, attention_mask, position_ids)
+        else:
+            if attention_mask is not None:
+                labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            labels = mask_document_ends(labels, position_ids)
         positions = None
         parallel = self._parallel
         if parallel is not None:
             # context parallel: this rank's load-balanced chunks, labels shifted on the full sequence first
-            local = parallel.shard_batch({"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask})
+            local = parallel.shard_batch({"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+                                          "position_ids": position_ids})
             input_ids, labels, attention_mask = local["input_ids"], local["labels"], local.get("attention_mask")
-            positions = local.get("position_ids")
+            positions, position_ids = local.get("global_positions"), local.get("position_ids")
         assert self.model is not None, "call configure_model() first (the Trainer does)"
-        loss_sum = self.model(input_ids, attention_mask, positions, labels_BS=labels, loss_impl=self.loss_impl)
+        loss_sum = self.model(input_ids, attention_mask, positions, labels_BS=labels, loss_impl=self.loss_impl,
+                              position_ids_BS=position_ids)
         return loss_sum, (labels != IGNORE_INDEX).sum()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         assert self.model is not None
+        if not self._train_batch_checked:  # once: batches from any collator (e.g. transformers') meet our contract
+            self._check_batch(batch)
+            self._train_batch_checked = True
         loss_sum, n_local = self._token_loss_sum(batch)
         sums = self._reduce_sum(torch.stack([loss_sum.detach(), n_local.to(loss_sum.dtype)]))
         num_tokens = sums[1]  # this micro-batch's valid tokens over every data rank

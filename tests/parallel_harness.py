@@ -31,6 +31,8 @@ DEEPSEEK_V3_MOE = dict(num_groups=2, group_topk=1, norm_topk_prob=True, scaling_
 # (leading, trailing) padding of sample i: PAD_PATTERNS[i % 4]. Under cp=2 only cp rank 0's chunks (positions 0-3
 # and 12-15) hold padding, so cp rank 1 runs without a mask while rank 0 masks; both tp halves hold some.
 PAD_PATTERNS = ((0, 0), (0, 3), (2, 0), (1, 2))
+# document lengths of packed sample i: PACK_PATTERNS[i % 4] (boundaries inside and across cp=2's 4-token chunks)
+PACK_PATTERNS = ((16,), (5, 11), (3, 6, 7), (9, 4, 3))
 
 
 def small_config(model: Optional[dict[str, Any]] = None, **moe_overrides: Any) -> ModelConfig:
@@ -55,6 +57,13 @@ def attention_masks(num_samples: int) -> torch.Tensor:
     return mask
 
 
+def packed_positions(num_samples: int) -> torch.Tensor:
+    """[N, SEQ_LEN] int64 per-document positions (restarting at 0 at each document start), after
+    :data:`PACK_PATTERNS`."""
+    rows = [torch.cat([torch.arange(n) for n in PACK_PATTERNS[i % len(PACK_PATTERNS)]]) for i in range(num_samples)]
+    return torch.stack(rows)
+
+
 def reference_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The same weights in every process: a seeded CPU init of the unsharded model."""
     torch.manual_seed(1234)
@@ -71,8 +80,9 @@ def global_tokens(num_samples: int) -> torch.Tensor:
 
 
 class _Rows(Dataset):
-    def __init__(self, tokens: torch.Tensor, masks: Optional[torch.Tensor] = None) -> None:
-        self.tokens, self.masks = tokens, masks
+    def __init__(self, tokens: torch.Tensor, masks: Optional[torch.Tensor] = None,
+                 positions: Optional[torch.Tensor] = None) -> None:
+        self.tokens, self.masks, self.positions = tokens, masks, positions
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -81,6 +91,8 @@ class _Rows(Dataset):
         row = {"input_ids": self.tokens[i]}
         if self.masks is not None:
             row["attention_mask"] = self.masks[i]
+        if self.positions is not None:
+            row["position_ids"] = self.positions[i]
         return row
 
 
@@ -88,10 +100,11 @@ class FixedData(L.LightningDataModule):
     """Global step s holds samples [s*G, (s+1)*G); rank r of the batch view reads samples r, r+R, ...
     (DistributedSampler without shuffling), so the union over ranks of a step is the same global batch."""
 
-    def __init__(self, micro_batch: int, num_samples: int, padded: bool = False) -> None:
+    def __init__(self, micro_batch: int, num_samples: int, padded: bool = False, packed: bool = False) -> None:
         super().__init__()
         self.micro_batch = micro_batch
-        self.ds = _Rows(global_tokens(num_samples), attention_masks(num_samples) if padded else None)
+        self.ds = _Rows(global_tokens(num_samples), attention_masks(num_samples) if padded else None,
+                        packed_positions(num_samples) if packed else None)
 
     def train_dataloader(self) -> DataLoader:
         kw = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
@@ -100,9 +113,11 @@ class FixedData(L.LightningDataModule):
 
 
 class EquivalenceModel(MoELanguageModel):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], loss_impl: str = "auto") -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], loss_impl: str = "auto",
+                 sgd_lr: float = LR) -> None:
         super().__init__(config, warmup_steps=0, loss_impl=loss_impl)
         self._weights = weights
+        self.sgd_lr = sgd_lr
         self.step_losses: list[float] = []
         self.step_aux_losses: list[float] = []  # the logged train/aux_loss and train/z_loss of every step
         self.step_z_losses: list[float] = []
@@ -117,7 +132,7 @@ class EquivalenceModel(MoELanguageModel):
         set_model_state_dict(self.model, copy.copy(self._weights), options=StateDictOptions(full_state_dict=True))
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=self.sgd_lr)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
@@ -129,16 +144,17 @@ class EquivalenceModel(MoELanguageModel):
 
 def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1, clip: Optional[float] = None,
           moe: Optional[dict[str, Any]] = None, loss_impl: str = "auto", model: Optional[dict[str, Any]] = None,
-          padded: bool = False) -> dict[str, Any]:
+          padded: bool = False, packed: bool = False, lr: float = LR) -> dict[str, Any]:
     """Train STEPS SGD steps on the fixed data under ``layout`` (None = one process, default strategy); return
     the per-step losses (train_loss and the logged aux and z losses), the full final state dict, and every rank's
     expert biases. ``model``: ModelConfig overrides; ``padded``: batches carry attention masks after
-    :data:`PAD_PATTERNS`."""
+    :data:`PAD_PATTERNS`; ``packed``: they carry per-document ``position_ids`` after :data:`PACK_PATTERNS`;
+    ``lr``: the SGD step size."""
     from lightning_moe import MoEParallelStrategy
 
     cfg = small_config(model, **(moe or {}))
     weights = reference_state_dict(cfg)
-    module = EquivalenceModel(cfg, weights, loss_impl)
+    module = EquivalenceModel(cfg, weights, loss_impl, lr)
     layout = dict(layout or {})
     dp = 1
     if layout:
@@ -158,7 +174,7 @@ def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )
-    trainer.fit(module, datamodule=FixedData(micro, GLOBAL_BATCH * STEPS, padded))
+    trainer.fit(module, datamodule=FixedData(micro, GLOBAL_BATCH * STEPS, padded, packed))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))

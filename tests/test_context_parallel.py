@@ -62,25 +62,30 @@ def test_shard_batch():
     parts = [shard_batch_for_cp(batch, 2, r) for r in range(2)]
     assert parts[0]["input_ids"].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
     assert parts[1]["labels"].tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
-    assert parts[1]["position_ids"].tolist() == [2, 3, 4, 5]
+    assert parts[1]["global_positions"].tolist() == [2, 3, 4, 5]
     assert parts[0]["attention_mask"].shape == (B, 4)
     assert parts[0]["sample_id"].tolist() == [3, 4] and parts[0]["n"] == 5
-    assert batch["input_ids"].shape == (B, S) and "position_ids" not in batch  # input untouched
+    assert batch["input_ids"].shape == (B, S) and "global_positions" not in batch  # input untouched
     # the shards put back at their positions give the batch
     full = torch.empty_like(ids)
     for p in parts:
-        full[:, p["position_ids"]] = p["input_ids"]
+        full[:, p["global_positions"]] = p["input_ids"]
     assert torch.equal(full, ids)
     # cp == 1: unchanged, positions added, labels optional
     one = shard_batch_for_cp({"input_ids": ids}, 1, 0)
-    assert one["input_ids"] is ids and one["position_ids"].tolist() == list(range(S))
+    assert one["input_ids"] is ids and one["global_positions"].tolist() == list(range(S))
+    # packed documents' position_ids are sliced like the tokens; the global positions stay the causal order
+    docs = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    packed = [shard_batch_for_cp({**batch, "position_ids": docs}, 2, r) for r in range(2)]
+    assert packed[0]["position_ids"].tolist() == [[0, 1, 3, 4], [0, 1, 0, 1]]
+    assert packed[0]["global_positions"].tolist() == [0, 1, 6, 7]
 
 
 def test_shard_batch_errors():
     ids = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="labels"):
         shard_batch_for_cp({"input_ids": ids}, 2, 0)
-    with pytest.raises(ValueError, match="position_ids"):
+    with pytest.raises(ValueError, match="position_ids.*shape of input_ids"):
         shard_batch_for_cp({"input_ids": ids, "labels": ids, "position_ids": torch.arange(8)}, 2, 0)
     with pytest.raises(ValueError, match="divisible by 4"):
         shard_batch_for_cp({"input_ids": ids[:, :6], "labels": ids[:, :6]}, 2, 0)
@@ -149,7 +154,14 @@ def _padded_ids(cfg, B, S, seed):
     return ids, mask, g
 
 
-def _tiny_model_case(rank, world, padded=False, **overrides):
+def _packed_positions(B, S):
+    """Per-document positions of B rows: documents of a few lengths, crossing the cp chunk boundaries."""
+    lengths = ([5, 11, 3, 13], [20, 7, 5])
+    rows = [torch.cat([torch.arange(n) for n in lengths[b % 2]])[:S] for b in range(B)]
+    return torch.stack(rows)
+
+
+def _tiny_model_case(rank, world, padded=False, packed=False, **overrides):
     cfg = ModelConfig.from_preset("tiny", **overrides)
     with torch.device("meta"):
         model = MoETransformer(cfg)
@@ -166,9 +178,10 @@ def _tiny_model_case(rank, world, padded=False, **overrides):
         mask = None
     labels = torch.roll(ids, -1, dims=1)  # any full-sequence labels (the loss here does not use them)
     go = torch.randn(B, S, cfg.vocab_size, generator=g)
+    docs = _packed_positions(B, S) if packed else None
 
     ref_model = copy.deepcopy(model)
-    ref = ref_model(ids, mask, torch.arange(S))
+    ref = ref_model(ids, mask, torch.arange(S), position_ids_BS=docs)
     (ref * go).sum().backward()
 
     n_attn = 0
@@ -176,10 +189,12 @@ def _tiny_model_case(rank, world, padded=False, **overrides):
         block.attention.core_attention = AllGatherKVAttention(dist.group.WORLD)
         n_attn += 1
     assert n_attn == cfg.num_layers
-    batch = {"input_ids": ids, "labels": labels, **({"attention_mask": mask} if padded else {})}
+    model.build_document_mask = block.attention.core_attention.document_mask  # as apply_cp does
+    batch = {"input_ids": ids, "labels": labels, **({"attention_mask": mask} if padded else {}),
+             **({"position_ids": docs} if packed else {})}
     local = shard_batch_for_cp(batch, world, rank)
-    pos = local["position_ids"]
-    out = model(local["input_ids"], local.get("attention_mask"), pos)
+    pos = local["global_positions"]
+    out = model(local["input_ids"], local.get("attention_mask"), pos, position_ids_BS=local.get("position_ids"))
     _assert_rel(out, ref.detach()[:, pos], what="logits")
     assert torch.equal(local["labels"], labels[:, pos])
     (out * go[:, pos]).sum().backward()
@@ -214,6 +229,9 @@ def _cp_suite(rank, world):
     _tiny_model_case(rank, world)
     _tiny_model_case(rank, world, padded=True)
     _tiny_model_case(rank, world, padded=True, **MLA)
+    # packed documents (position_ids restarting per document) under cp: the same logits and gradients
+    _tiny_model_case(rank, world, packed=True)
+    _tiny_model_case(rank, world, padded=True, packed=True, **MLA)
     return True
 
 

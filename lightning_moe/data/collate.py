@@ -1,7 +1,11 @@
 """Batch checks and collation: what reaches the model is valid for it, or a ValueError that names the limit.
 
 Batches follow the Hugging Face convention: ``input_ids`` [B, S] (integers), optional ``labels`` [B, S] (-100 =
-ignore) and optional ``attention_mask`` [B, S] (1 = token, 0 = padding; bool, integer or float).
+ignore), optional ``attention_mask`` [B, S] (1 = token, 0 = padding; bool, integer or float) and optional
+``position_ids`` [B, S] (packed documents: 0 at each document start, +1 per token inside one). One difference:
+our ``labels`` are pre-shifted (``labels[t]`` is the token after ``input_ids[t]``), while Hugging Face models shift
+inside the loss; unshifted labels (every valid label equal to its own input, as ``DataCollatorWithFlattening``
+writes) are refused rather than trained off by one.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ def validate_batch(batch: dict[str, Any], vocab_size: Optional[int] = None,
     """Checks a batch against the model's limits and returns it unchanged.
 
     Raises ValueError for: ``input_ids`` that are not integer [B, S] with B, S > 0; sequences longer than ``max_seq_len``;
-    token ids < 0 or >= ``vocab_size`` (``labels`` may also hold -100); ``labels`` / ``attention_mask`` of another
-    shape; an ``attention_mask`` holding anything but 0 and 1 (NaN included: padding masks, not additive masks).
+    token ids < 0 or >= ``vocab_size`` (``labels`` may also hold -100); ``labels`` / ``attention_mask`` /
+    ``position_ids`` of another shape; an ``attention_mask`` holding anything but 0 and 1 (NaN included: padding
+    masks, not additive masks); ``labels`` in the unshifted convention; ``position_ids`` that are negative, reach
+    ``max_seq_len``, or neither restart at 0 nor count up by one.
     """
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got the keys {sorted(batch)}")
@@ -63,6 +69,7 @@ def validate_batch(batch: dict[str, Any], vocab_size: Optional[int] = None,
         if labels.shape != ids.shape:
             raise ValueError(f"labels have shape {tuple(labels.shape)}, input_ids {tuple(ids.shape)}: they must match")
         _check_ids("labels", labels, vocab_size, allow_ignore=True)
+        _check_label_convention(ids, labels)
     mask = batch.get("attention_mask")
     if mask is not None:
         if mask.shape != ids.shape:
@@ -77,7 +84,45 @@ def validate_batch(batch: dict[str, Any], vocab_size: Optional[int] = None,
                 f"attention_mask holds {bad}; it must hold 1 for tokens and 0 for padding (a padding mask, not an "
                 "additive -inf mask)"
             )
+    positions = batch.get("position_ids")
+    if positions is not None:
+        _check_position_ids(positions, ids, max_seq_len)
     return batch
+
+
+def _check_label_convention(ids: torch.Tensor, labels: torch.Tensor) -> None:
+    valid = labels != IGNORE_INDEX
+    if int(valid.sum()) > 1 and bool((labels[valid] == ids[valid]).all()):
+        raise ValueError(
+            "every label equals its own input token: these are Hugging Face's unshifted labels (as "
+            "DataCollatorWithFlattening writes), but lightning_moe's labels are pre-shifted (labels[t] is the token "
+            "after input_ids[t]). Leave `labels` out (the module shifts input_ids and masks document ends), or shift "
+            "them: labels[:, :-1] = hf_labels[:, 1:] and labels[:, -1] = -100"
+        )
+
+
+def _check_position_ids(positions: torch.Tensor, ids: torch.Tensor, max_seq_len: Optional[int]) -> None:
+    if tuple(positions.shape) != tuple(ids.shape):
+        raise ValueError(f"position_ids have shape {tuple(positions.shape)}, input_ids {tuple(ids.shape)}: they must "
+                         "match ([batch, seq_len] per-document positions of packed sequences)")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"position_ids must hold integers, got dtype {positions.dtype}")
+    if positions.numel() == 0:
+        return
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0:
+        raise ValueError(f"position_ids hold {low}; positions must be >= 0 (0 starts a document)")
+    if max_seq_len is not None and high >= max_seq_len:
+        raise ValueError(f"position_ids hold {high} >= the model's max_seq_len={max_seq_len} (its RoPE table): restart "
+                         "positions at 0 at each document start, or raise model.config.max_seq_len")
+    step = positions[:, 1:] - positions[:, :-1]
+    bad = (positions[:, 1:] != 0) & (step != 1)
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"position_ids[{b}] goes from {int(positions[b, t])} to {int(positions[b, t + 1])} at index {t + 1}: "
+            "packed positions must restart at 0 at a document start and count up by one inside a document"
+        )
 
 
 def collate(samples: Sequence[dict[str, torch.Tensor]], vocab_size: Optional[int] = None,

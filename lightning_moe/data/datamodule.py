@@ -12,7 +12,17 @@ Packing
     so every position has a label, consecutive samples share exactly one token (the last label of sample
     ``i`` is the first input of sample ``i + 1``) and no token is wasted. Samples never contain padding,
     so there is no ``attention_mask`` and no ``-100`` label (the Hugging Face ignore index the loss honours).
-    Attention crosses document boundaries inside a sample, as usual for packed pre-training data.
+    Attention crosses document boundaries inside a sample, as usual for packed pre-training data, unless
+    ``document_mask=True``: samples then also carry ``position_ids`` that restart at 0 at every document start
+    (and at the sample's start, for the piece of a document the previous sample began), so attention stays inside
+    each document (:mod:`lightning_moe.models.document_mask`), and the label of each document's last token (its
+    EOS, which would predict the next document's first token) is -100.
+
+Chat data (``format="chat"``)
+    JSON Lines conversations (``messages``, or ``prompt`` / ``completion``) rendered with the chat template of
+    ``tokenizer``, loss on the assistant's tokens, several conversations to a row with ``position_ids`` restarting
+    per conversation and padding after the last (:mod:`lightning_moe.data.chat`). Samples are those rows; the
+    split, sampling and resume below work on them as on text windows.
 
 Train / validation split
     A contiguous tail of the sample sequence: with ``n = (len(t) - 1) // seq_len`` samples,
@@ -58,42 +68,84 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_moe.data.collate import collate
+from lightning_moe.data.chat import CHAT_OVERLONG, CHAT_TRAIN_ON, tokenize_chat_files
+from lightning_moe.data.collate import IGNORE_INDEX, collate
 from lightning_moe.data.corpus import EMBEDDED_CORPUS_MAX_BYTES, load_documents
 from lightning_moe.data.tokenizer import ByteTokenizer, load_hf_tokenizer
 
-__all__ = ["PackedDataset", "ResumableDataLoader", "ResumableDistributedSampler", "TextDataModule", "pack_documents"]
+__all__ = ["PackedDataset", "ResumableDataLoader", "ResumableDistributedSampler", "RowsDataset", "TextDataModule",
+           "document_positions", "pack_documents"]
 
 
-class PackedDataset(Dataset):
+class _Samples(Dataset):
+    """``num_samples`` samples numbered from ``first`` in some storage: length and index checks."""
+
+    first: int
+    num_samples: int
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _sample(self, index: int) -> int:
+        """The storage number of item ``index`` (negative indices count from the end)."""
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        return self.first + index
+
+
+class PackedDataset(_Samples):
     """``num_samples`` windows of a flat token stream; item ``i`` starts at ``first * seq_len + i * seq_len``.
 
     Items are ``{"input_ids": LongTensor[S], "labels": LongTensor[S]}`` with ``labels`` the inputs
-    shifted by one token.
+    shifted by one token. With ``positions`` (the stream's per-document positions, :func:`document_positions`)
+    items also hold ``position_ids`` (restarting at the window's start too) and -100 at documents' last tokens.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, first: int, num_samples: int) -> None:
+    def __init__(self, tokens: torch.Tensor, seq_len: int, first: int, num_samples: int,
+                 positions: Optional[torch.Tensor] = None) -> None:
         if (first + num_samples) * seq_len + 1 > tokens.numel() and num_samples > 0:
             raise ValueError("PackedDataset: the token stream is too short for the requested samples")
         self.tokens = tokens
         self.seq_len = seq_len
         self.first = first
         self.num_samples = num_samples
-
-    def __len__(self) -> int:
-        return self.num_samples
+        self.positions = positions
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        start = (self.first + index) * self.seq_len
+        start = self._sample(index) * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1].long()
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        if self.positions is None:
+            return {"input_ids": window[:-1], "labels": window[1:]}
+        # a document begun in the previous window restarts at 0 here (RoPE positions stay below seq_len)
+        pos = torch.minimum(self.positions[start : start + self.seq_len + 1].long(), torch.arange(self.seq_len + 1))
+        labels = window[1:].masked_fill(pos[1:] == 0, IGNORE_INDEX)  # nothing predicts the next document
+        return {"input_ids": window[:-1], "labels": labels, "position_ids": pos[:-1]}
+
+
+def document_positions(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """int32 position of every token of a packed stream inside its document (0 after every EOS)."""
+    idx = torch.arange(tokens.numel(), dtype=torch.int64)
+    start = torch.zeros_like(tokens, dtype=torch.bool)
+    start[1:] = tokens[:-1] == eos_id
+    first = torch.cummax(torch.where(start, idx, 0), dim=0).values
+    return (idx - first).to(torch.int32)
+
+
+class RowsDataset(_Samples):
+    """Rows ``first .. first + num_samples`` of ready-made [N, S] tensors (chat data): item ``i`` is every tensor's
+    row ``first + i``."""
+
+    def __init__(self, rows: dict[str, torch.Tensor], first: int, num_samples: int) -> None:
+        self.rows, self.first, self.num_samples = rows, first, num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = self._sample(index)
+        return {k: v[row] for k, v in self.rows.items()}
 
 
 def pack_documents(docs: list[str], tokenizer: Any, eos_id: int, max_tokens: Optional[int] = None) -> torch.Tensor:
@@ -327,6 +379,14 @@ class TextDataModule(LightningDataModule):
             None = the validation split.
         predict_prompts: prompts for ``trainer.predict`` / ``lightning-moe predict`` (one string or a list); each
             batch is left-padded with an ``attention_mask`` and carries the prompts under ``"prompt"``.
+        format: ``"text"`` (documents, packed into windows) or ``"chat"`` (``.jsonl`` / ``.json`` records with
+            ``messages`` or ``prompt`` / ``completion``, rendered with the chat template of ``tokenizer``; see
+            :mod:`lightning_moe.data.chat`).
+        document_mask: text: samples carry ``position_ids`` restarting per document, so attention never crosses
+            documents and no label predicts the next document (see *Packing*). Chat data is always packed so.
+        train_on: chat: ``"assistant"`` (loss on the assistant turns' tokens) or ``"all"`` (every token).
+        overlong: chat: a conversation longer than ``seq_len`` is an error naming its line (``"error"``), cut to
+            ``seq_len`` (``"truncate"``) or left out (``"drop"``); cut or dropped ones are counted and reported.
     """
 
     def __init__(
@@ -345,8 +405,25 @@ class TextDataModule(LightningDataModule):
         global_batch_size: Optional[int] = None,
         test_files: Optional[Union[str, list[str]]] = None,
         predict_prompts: Optional[Union[str, list[str]]] = None,
+        format: str = "text",
+        document_mask: bool = False,
+        train_on: str = "assistant",
+        overlong: str = "error",
     ) -> None:
         super().__init__()
+        if format not in ("text", "chat"):
+            raise ValueError(f"format must be 'text' or 'chat', got {format!r}")
+        if format == "chat":
+            if files is None:
+                raise ValueError("format='chat' needs `files`: .jsonl files of conversations (there is no embedded "
+                                 "chat corpus)")
+            if tokenizer is None:
+                raise ValueError("format='chat' needs `tokenizer`: a local Hugging Face tokenizer directory with a "
+                                 "chat template (the byte tokenizer has none)")
+        if train_on not in CHAT_TRAIN_ON:
+            raise ValueError(f"train_on must be one of {CHAT_TRAIN_ON}, got {train_on!r}")
+        if overlong not in CHAT_OVERLONG:
+            raise ValueError(f"overlong must be one of {CHAT_OVERLONG}, got {overlong!r}")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}; set e.g. `seq_len: 256`.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
@@ -379,7 +456,7 @@ class TextDataModule(LightningDataModule):
         if isinstance(predict_prompts, str):
             predict_prompts = [predict_prompts]
         self.predict_prompts = None if predict_prompts is None else [str(p) for p in predict_prompts]
-        self.test_dataset: Optional[PackedDataset] = None
+        self.test_dataset: Optional[Dataset] = None
         for f in self.files or []:
             if not os.path.exists(os.path.expanduser(f)):
                 raise ValueError(f"data file or directory {f!r} does not exist; fix the path in `files`.")
@@ -394,6 +471,11 @@ class TextDataModule(LightningDataModule):
         self.max_tokens = max_tokens
         self.drop_last = drop_last
         self.global_batch_size = global_batch_size
+        self.format = format
+        self.document_mask = bool(document_mask) or format == "chat"
+        self.train_on = train_on
+        self.overlong = overlong
+        self.chat_stats = None  # what building chat rows did (lightning_moe.data.chat.ChatStats)
         self.save_hyperparameters()
 
         self._tokenizer_obj: Any = None
@@ -401,8 +483,8 @@ class TextDataModule(LightningDataModule):
         self._model_limits: Optional[tuple[Optional[int], Optional[int]]] = None
         self._token_range: Optional[tuple[int, int]] = None
         self.tokens: Optional[torch.Tensor] = None
-        self.train_dataset: Optional[PackedDataset] = None
-        self.val_dataset: Optional[PackedDataset] = None
+        self.train_dataset: Optional[Dataset] = None
+        self.val_dataset: Optional[Dataset] = None
 
     # ------------------------------------------------------------------ tokenizer
     def get_tokenizer(self) -> Any:
@@ -521,6 +603,8 @@ class TextDataModule(LightningDataModule):
         """Tokenise and pack the corpus (once per process) and build the train / val datasets."""
         if self.tokens is not None:
             return
+        if self.format == "chat":
+            return self._setup_chat()
         tok = self.get_tokenizer()
         eos_id = self.eos_id
         embedded_cap = max(EMBEDDED_CORPUS_MAX_BYTES, self.max_tokens or 0)
@@ -546,10 +630,30 @@ class TextDataModule(LightningDataModule):
             )
         self.tokens = tokens
         self._token_range = (int(tokens.min()), int(tokens.max()))
-        self.train_dataset = PackedDataset(tokens, S, 0, num_train)
-        self.val_dataset = PackedDataset(tokens, S, num_train, num_val)
+        positions = document_positions(tokens, eos_id) if self.document_mask else None
+        self.train_dataset = PackedDataset(tokens, S, 0, num_train, positions)
+        self.val_dataset = PackedDataset(tokens, S, num_train, num_val, positions)
 
-    def _loader(self, dataset: PackedDataset, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
+    def _chat_rows(self, files: list[str]) -> tuple[dict[str, torch.Tensor], Any]:
+        rows, stats = tokenize_chat_files(files, self.get_tokenizer(), self.seq_len, self.train_on, self.overlong,
+                                          tokenizer_name=self.tokenizer)
+        (rank_zero_warn if stats.cut or stats.dropped else rank_zero_info)(stats.summary(self.seq_len))
+        return rows, stats
+
+    def _setup_chat(self) -> None:
+        """Chat rows (see *Chat data*), split like text samples: the last ``ceil(rows * val_fraction)`` validate."""
+        rows, self.chat_stats = self._chat_rows(self.files or [])
+        n = rows["input_ids"].shape[0]
+        num_val = math.ceil(n * self.val_fraction) if self.val_fraction > 0 else 0
+        if n - num_val < 1:
+            raise ValueError(f"the chat data packs into {n} row(s) of seq_len={self.seq_len}, none left for training "
+                             f"after val_fraction={self.val_fraction}; lower `val_fraction` or add conversations.")
+        self.tokens = rows["input_ids"]
+        self._token_range = (int(self.tokens.min()), int(self.tokens.max()))
+        self.train_dataset = RowsDataset(rows, 0, n - num_val)
+        self.val_dataset = RowsDataset(rows, n - num_val, num_val)
+
+    def _loader(self, dataset: Dataset, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
         self.check_limits()
         vocab, max_seq_len = self.model_limits()
         return ResumableDataLoader(
@@ -607,6 +711,9 @@ class TextDataModule(LightningDataModule):
         """``test_files`` packed whole (sharded over the batch view like validation), else the validation split."""
         if self.test_files is None:
             return self.val_dataloader()
+        if self.test_dataset is None and self.format == "chat":
+            rows, _ = self._chat_rows(self.test_files)
+            self.test_dataset = RowsDataset(rows, 0, rows["input_ids"].shape[0])
         if self.test_dataset is None:
             docs = load_documents(self.test_files, self.text_field, EMBEDDED_CORPUS_MAX_BYTES)
             tokens = pack_documents(docs, self.get_tokenizer(), self.eos_id)
@@ -614,7 +721,8 @@ class TextDataModule(LightningDataModule):
             if n < 1:
                 raise ValueError(f"test_files {self.test_files!r} hold {tokens.numel()} tokens, too few for one sample "
                                  f"of seq_len={self.seq_len}; add text or lower `seq_len`.")
-            self.test_dataset = PackedDataset(tokens, self.seq_len, 0, n)
+            positions = document_positions(tokens, self.eos_id) if self.document_mask else None
+            self.test_dataset = PackedDataset(tokens, self.seq_len, 0, n, positions)
         num_replicas, rank = self.batch_view()
         sampler = ResumableDistributedSampler(self.test_dataset, num_replicas=num_replicas, rank=rank, shuffle=False,
                                               drop_last=False)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ModelConfig, YaRNScaling
 from lightning_moe.models import registry
+from lightning_moe.models.document_mask import DocumentMask, document_ids
 from lightning_moe.models.lm_loss import linear_cross_entropy, token_loss_sum
 from lightning_moe.moe.layer import MoELayer
 
@@ -148,11 +149,15 @@ class CoreAttention:
     ``__call__(q_BHSK, k_BGSK, v_BGSV, key_valid_BS, scale, positions_S, k_shared_B1SP=None)``: k/v may hold fewer
     heads than q (GQA) and ``k_shared_B1SP`` a key part shared by all heads (MLA's RoPE key): :func:`expand_kv`
     runs here, after the seam, so a context-parallel gather moves the compact tensors. ``key_valid_BS``: bool
-    [B, S], True = real token (None = no padding); padding keys are masked out. ``positions_S`` are the global
-    positions of the local queries and keys; a single process ignores them (causal by index)."""
+    [B, S], True = real token (None = no padding); padding keys are masked out; or, for packed sequences, a
+    :class:`~lightning_moe.models.document_mask.DocumentMask` (block-causal per document, padding included).
+    ``positions_S`` are the global positions of the local queries and keys; a single process ignores them (causal
+    by index)."""
 
     def __call__(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, key_valid_BS: Optional[Tensor],
                  scale: Optional[float], positions_S: Tensor, k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
+        if isinstance(key_valid_BS, DocumentMask):
+            return key_valid_BS.attend(q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP)
         k_BHSK, v_BHSV = expand_kv(q_BHSK.shape[1], k_BGSK, v_BGSV, k_shared_B1SP)
         if key_valid_BS is None:
             return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
@@ -275,9 +280,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
                 cache: Optional[LayerKVCache] = None) -> Tensor:
-        """``mask``: the key padding mask [B, S] (True = real token; None = no padding), causal masking is implied.
-        With ``cache``: positions [B, S] and mask [B, 1, S, L] come from :meth:`KVCache.begin`; keys and values
-        of earlier slots are read from the cache and this forward's are appended."""
+        """``mask``: the key padding mask [B, S] (True = real token; None = no padding), causal masking is implied;
+        or a :class:`~lightning_moe.models.document_mask.DocumentMask` for packed sequences. With ``cache``:
+        positions [B, S] and mask [B, 1, S, L] come from :meth:`KVCache.begin`; keys and values of earlier slots are
+        read from the cache and this forward's are appended."""
         B, S, _ = x_BSD.shape
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         if self.qk_norm == "full":
@@ -442,6 +448,9 @@ class MoETransformer(nn.Module):
         super().__init__()
         check_components(cfg)
         self.config = cfg
+        # builds the packed forward's DocumentMask once for all layers; context parallelism replaces it with one
+        # that gathers every rank's document ids (parallel.parallelize.apply_cp)
+        self.build_document_mask = DocumentMask.build
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # a dict keyed by layer index keeps FQNs stable when parallelize wraps or removes layers
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
@@ -497,15 +506,20 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
                 positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None,
-                labels_BS: Optional[Tensor] = None, loss_impl: str = "auto") -> Tensor:
+                labels_BS: Optional[Tensor] = None, loss_impl: str = "auto",
+                position_ids_BS: Optional[Tensor] = None) -> Tensor:
         """``positions_S``: [S] (default arange) or, on one process, [B, S] per-sequence positions. ``cache``:
         incremental decoding (see :class:`KVCache`; positions then follow the cache and must be None).
+        ``position_ids_BS``: packed documents (:mod:`lightning_moe.models.document_mask`): positions [B, S] that
+        restart at 0 at each document start; they rotate q/k and make attention block-causal per document, while
+        ``positions_S`` stay the tokens' global indices (context parallelism's order).
 
         Returns logits [B, S, V]; with ``labels_BS`` (-100 = ignored) instead the sum of the token cross-entropies,
         an fp32 scalar, computed without holding the [B*S, V] logits where ``loss_impl`` allows (see
         :mod:`lightning_moe.models.lm_loss`). The loss is taken inside ``forward`` so that FSDP's root hooks hold
         the output weight gathered while it is used."""
-        h_BSD = self.hidden_states(input_ids_BS, attention_mask_BS, positions_S, cache=cache)
+        h_BSD = self.hidden_states(input_ids_BS, attention_mask_BS, positions_S, cache=cache,
+                                   position_ids_BS=position_ids_BS)
         if labels_BS is None:
             return self.logits(h_BSD)
         w_VD = self.tok_embeddings.weight if self.output is None else self.output.weight
@@ -515,8 +529,11 @@ class MoETransformer(nn.Module):
         return linear_cross_entropy(h_BSD.flatten(0, 1), w_VD.to(h_BSD.dtype), labels_BS.flatten(), loss_impl)
 
     def hidden_states(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
-                      positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+                      positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None,
+                      position_ids_BS: Optional[Tensor] = None) -> Tensor:
         if cache is not None:
+            if position_ids_BS is not None:
+                raise ValueError("with a KV cache the positions follow the cache: pass position_ids_BS=None")
             return self._hidden_states_cached(input_ids_BS, attention_mask_BS, positions_S, cache)
         S = input_ids_BS.shape[1]
         if positions_S is None:
@@ -526,10 +543,19 @@ class MoETransformer(nn.Module):
             padding_mask = attention_mask_BS.bool()
             if bool(padding_mask.all()):
                 padding_mask = None
+        attn_mask: Optional[Tensor | DocumentMask] = padding_mask
+        rope_positions = positions_S
+        if position_ids_BS is not None:
+            if tuple(position_ids_BS.shape) != tuple(input_ids_BS.shape) or positions_S.dim() != 1:
+                raise ValueError(f"position_ids must have the shape of input_ids {tuple(input_ids_BS.shape)} (and "
+                                 f"positions_S be [S]), got {tuple(position_ids_BS.shape)}")
+            doc_BS = document_ids(positions_S, position_ids_BS, padding_mask)
+            attn_mask = self.build_document_mask(doc_BS, positions_S, self.config.attn_impl, self.config.same_head_dims)
+            rope_positions = position_ids_BS
         h = self.tok_embeddings(input_ids_BS)
         for block in self.layers.values():
             # the attention masks padding keys (core attention builds the causal mask), the MoE routes no padding
-            h = block(h, positions_S, padding_mask, padding_mask)
+            h = block(h, rope_positions, attn_mask, padding_mask)
         return self.norm(h)
 
     def _hidden_states_cached(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor],

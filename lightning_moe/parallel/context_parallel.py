@@ -13,7 +13,8 @@ How parallelize attaches it (model code stays single-device, DESIGN invariant 1)
     for block in model.layers.values():
         block.attention.core_attention = AllGatherKVAttention(cp_mesh.get_group())
     local = shard_batch_for_cp(batch, cp_size, cp_rank)          # labels shifted on the full sequence first
-    logits = model(local["input_ids"], local.get("attention_mask"), local["position_ids"])
+    logits = model(local["input_ids"], local.get("attention_mask"), local["global_positions"],
+                   position_ids_BS=local.get("position_ids"))      # packed documents, if the batch has them
 
 Everything else in the model (embeddings, norms, MLPs, MoE routing) is per token, so it runs unchanged on the
 local tokens. Per-sequence statistics (a sequence-level aux loss, loss token counts) must be reduced over the cp
@@ -23,6 +24,12 @@ Padding: ``shard_batch_for_cp`` slices ``attention_mask`` like the tokens. Each 
 own real tokens (the routers' counts and normalisers are summed over the cp group), the attention masks padding
 keys over the gathered sequence (their validity is gathered with their positions), and the loss counts the real
 labels of each rank, summed over cp by the strategy.
+
+Packed documents (``position_ids`` [B, S] restarting per document, :mod:`lightning_moe.models.document_mask`):
+they are sliced like the tokens and rotate q/k; the global indices keep the causal order. A token's document id is
+its global index minus its position, so each rank computes its own tokens' ids; they are gathered with the
+positions once per forward (:meth:`AllGatherKVAttention.document_mask`) and the block-causal mask over the gathered
+keys is built once for every layer.
 
 Legend: B batch, H heads, G kv heads, S local sequence, L gathered (global) sequence, K head dim of q/k, V head
 dim of v, P MLA's shared RoPE key dim.
@@ -39,6 +46,7 @@ from torch import Tensor
 
 from lightning_moe.autograd import contiguous_grad
 from lightning_moe.collectives import all_gather, all_gather_autograd, wait
+from lightning_moe.models.document_mask import DocumentMask
 from lightning_moe.models.transformer import expand_kv, padded_causal_mask
 
 __all__ = ["cp_shard_indices", "shard_batch_for_cp", "AllGatherKVAttention"]
@@ -74,16 +82,16 @@ def cp_shard_indices(seq_len: int, cp_size: int, cp_rank: int, device: Optional[
 
 
 def shard_batch_for_cp(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dict[str, Any]:
-    """This cp rank's slice of a batch, plus ``position_ids`` (the global positions of the local tokens, [S_local]).
+    """This cp rank's slice of a batch, plus ``global_positions`` (the global indices of the local tokens,
+    [S_local]: the causal order).
 
     ``batch`` holds ``input_ids`` [B, S] and ``labels`` [B, S] computed on the *full* sequence (shift before
-    sharding: the label of a rank's last token lives on another rank); optional ``attention_mask`` [B, S]. Every
-    tensor of shape [B, S, ...] is sliced along dim 1; other entries are passed through. The input dict is not
-    modified. With ``cp_size == 1`` the batch is returned as is (a shallow copy), with ``position_ids`` =
-    ``arange(S)`` added when absent, and labels are not required.
+    sharding: the label of a rank's last token lives on another rank); optional ``attention_mask`` [B, S] and
+    ``position_ids`` [B, S] (packed documents). Every tensor of shape [B, S, ...] is sliced along dim 1; other
+    entries are passed through. The input dict is not modified. With ``cp_size == 1`` the batch is returned as is
+    (a shallow copy) plus ``global_positions`` = ``arange(S)``, and labels are not required.
 
-    Raises ValueError when ``labels`` are missing, ``position_ids`` are already present (CP uses them as the global
-    token indices of the causal mask, so per-document positions cannot be honoured), or S is not divisible by
+    Raises ValueError when ``labels`` are missing, ``position_ids`` are not [B, S], or S is not divisible by
     ``2 * cp_size``.
     """
     if "input_ids" not in batch:
@@ -93,9 +101,12 @@ def shard_batch_for_cp(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> 
         raise ValueError(f"batch['input_ids'] must have shape [B, S], got {tuple(input_ids.shape)}")
     B, S = input_ids.shape
     out = dict(batch)
+    position_ids = batch.get("position_ids")
+    if position_ids is not None and tuple(position_ids.shape) != (B, S):
+        raise ValueError(f"batch['position_ids'] must have the shape of input_ids {(B, S)} (per-document positions "
+                         f"of packed sequences), got {tuple(position_ids.shape)}")
     if cp_size == 1:
-        if "position_ids" not in out:
-            out["position_ids"] = torch.arange(S, dtype=torch.long, device=input_ids.device)
+        out["global_positions"] = torch.arange(S, dtype=torch.long, device=input_ids.device)
         return out
     if batch.get("labels") is None:
         raise ValueError(
@@ -103,16 +114,11 @@ def shard_batch_for_cp(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> 
             "token of a rank's last token lives on another rank): shift the labels first, e.g. "
             "batch['labels'] = shift_labels(input_ids, attention_mask)"
         )
-    if "position_ids" in batch:
-        raise ValueError(
-            "batch already has 'position_ids': context parallelism derives them from the sharding (global token "
-            "indices, also used for the causal mask); per-document positions are not supported with cp > 1"
-        )
     idx = cp_shard_indices(S, cp_size, cp_rank, device=input_ids.device)
     for key, value in batch.items():
         if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[0] == B and value.shape[1] == S:
             out[key] = value.index_select(1, idx.to(value.device))
-    out["position_ids"] = idx
+    out["global_positions"] = idx
     return out
 
 
@@ -154,11 +160,28 @@ class AllGatherKVAttention:
         x_LBHK = contiguous_grad(wait(all_gather_autograd(x_SBHK, 0, self.cp_group)))
         return x_LBHK.permute(1, 2, 0, 3)
 
-    def _gather_keys_meta(self, q_pos_S: Tensor, key_valid_BS: Tensor) -> tuple[Tensor, Tensor]:
-        """Global positions [L] and key validity [B, L] of every rank's tokens, in one all-gather."""
-        meta_S1B = torch.cat([q_pos_S[:, None], key_valid_BS.T.long()], dim=1)
+    def _gather_keys_meta(self, q_pos_S: Tensor, key_BS: Tensor) -> tuple[Tensor, Tensor]:
+        """Global positions [L] and a per-key property [B, L] (validity, or document ids) of every rank's tokens,
+        in one all-gather."""
+        meta_S1B = torch.cat([q_pos_S[:, None], key_BS.T.long()], dim=1)
         meta_L1B = wait(all_gather(meta_S1B.contiguous(), 0, self.cp_group))
-        return meta_L1B[:, 0], meta_L1B[:, 1:].T.bool()
+        return meta_L1B[:, 0], meta_L1B[:, 1:].T
+
+    def document_mask(self, doc_BS: Tensor, positions_S: Tensor, attn_impl: str, same_head_dims: bool) -> DocumentMask:
+        """Packed sequences: the model's per-forward mask builder under cp (``MoETransformer.build_document_mask``).
+        Document ids and positions of every rank's tokens are gathered once per forward (not per layer), and the
+        block-causal mask of the local queries against all keys is built once; the gathered attention runs SDPA
+        with it."""
+        if attn_impl not in ("auto", "sdpa") and self.cp_size > 1:
+            raise ValueError(
+                f"context parallelism runs packed (document-masked) attention as SDPA with an explicit mask over the "
+                f"gathered keys; attn_impl={attn_impl!r} cannot run there: set attn_impl to 'auto' or 'sdpa'"
+            )
+        q_pos = positions_S.to(device=doc_BS.device, dtype=torch.long)
+        if self.cp_size == 1:
+            return DocumentMask.gathered(doc_BS, q_pos, doc_BS, q_pos)
+        k_pos_L, k_doc_BL = self._gather_keys_meta(q_pos, doc_BS)
+        return DocumentMask.gathered(doc_BS, q_pos, k_doc_BL, k_pos_L)
 
     def __call__(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, key_valid_BS: Optional[Tensor],
                  scale: Optional[float], positions_S: Tensor, k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
@@ -168,11 +191,17 @@ class AllGatherKVAttention:
                 f"q, k and v must hold the same local tokens; got sequence lengths {S}, {k_BGSK.shape[2]}, "
                 f"{v_BGSV.shape[2]}"
             )
+        if isinstance(key_valid_BS, DocumentMask):  # packed: the mask over the gathered keys is already built
+            k_shared_B1LP = k_shared_B1SP
+            if self.cp_size > 1:
+                k_BGSK, v_BGSV = self._gather_seq(k_BGSK), self._gather_seq(v_BGSV)
+                k_shared_B1LP = None if k_shared_B1SP is None else self._gather_seq(k_shared_B1SP)
+            return self.kernel(q_BHSK, k_BGSK, v_BGSV, key_valid_BS.dense_B1SL, scale, k_shared_B1LP)
         if positions_S is None or positions_S.dim() != 1 or positions_S.shape[0] != S:
             got = None if positions_S is None else tuple(positions_S.shape)
             raise ValueError(
                 f"context parallelism needs positions_S: the global positions of the {S} local tokens "
-                f"(shard_batch_for_cp(...)['position_ids']), got shape {got}"
+                f"(shard_batch_for_cp(...)['global_positions']), got shape {got}"
             )
         if key_valid_BS is not None and tuple(key_valid_BS.shape) != (B, S):
             raise ValueError(f"the key padding mask must have shape [B, S] = {(B, S)} (this rank's tokens), got "
@@ -184,6 +213,7 @@ class AllGatherKVAttention:
             k_BGLK, v_BGLV = self._gather_seq(k_BGSK), self._gather_seq(v_BGSV)
             k_shared_B1LP = None if k_shared_B1SP is None else self._gather_seq(k_shared_B1SP)
             k_pos, valid_BL = self._gather_keys_meta(q_pos, valid_BS)
+            valid_BL = valid_BL.bool()
         else:
             k_BGLK, v_BGLV, k_shared_B1LP, k_pos, valid_BL = k_BGSK, v_BGSV, k_shared_B1SP, q_pos, valid_BS
         return self.kernel(q_BHSK, k_BGLK, v_BGLV, padded_causal_mask(q_pos, k_pos, valid_BL), scale, k_shared_B1LP)

@@ -152,6 +152,7 @@ def apply_cp(model: MoETransformer, cp_mesh: DeviceMesh) -> None:
     core = AllGatherKVAttention(cp_mesh.get_group())
     for block in model.layers.values():
         block.attention.core_attention = core
+    model.build_document_mask = core.document_mask  # packed batches: document ids gathered once per forward
 
 
 def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placements: list) -> None:
