@@ -5,6 +5,8 @@ tp-replicated ones fed distinct tokens or heads."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -37,14 +39,25 @@ class GatedAttention(Attention):
         self.core_attention = HeadGate(self.head_dim)
 
 
-registry.register("attention", "head_gate_test", GatedAttention, overwrite=True)  # also in the spawned ranks
 GATED = dict(attention="head_gate_test")
+
+
+@contextlib.contextmanager
+def _gated_registered():
+    """The test attention, registered only while it is used: registered at import it would be listed in every other
+    test's 'registered: ...' messages for the rest of the session."""
+    registry.register("attention", "head_gate_test", GatedAttention, overwrite=True)
+    try:
+        yield
+    finally:
+        registry.unregister("attention", "head_gate_test")
 
 
 def _worker(rank: int, world_size: int) -> dict:
     from lightning_moe.build import build_model
     from lightning_moe.parallel import ParallelDims, parallelize
 
+    registry.register("attention", "head_gate_test", GatedAttention, overwrite=True)  # the rank's own registry
     dims = ParallelDims(world_size=world_size, tp=2).build_meshes("cpu")
     synced = {}
     for label, model in (("gated", GATED), ("mla", DEEPSEEK_V3_TINY)):
@@ -63,7 +76,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 def test_a_custom_attention_parameter_is_summed_over_tp():
     out = run_distributed(_worker, 2, timeout=600)
-    ref = train(None, 1, model=GATED)
+    with _gated_registered():
+        ref = train(None, 1, model=GATED)
     assert compare(out["trained"], ref) == []
     per_block = lambda names, i: sorted(n.split(".", 2)[2] for n in names if n.startswith(f"layers.{i}."))  # noqa: E731
     shared = ["moe.router", "moe.shared_experts.w1", "moe.shared_experts.w2",

@@ -57,6 +57,14 @@ def register(kind: str, name: str, factory: Optional[Callable[..., nn.Module]] =
     return add if factory is None else add(factory)
 
 
+def unregister(kind: str, name: str) -> None:
+    """Remove component ``name`` of ``kind`` (a KeyError naming it when it is not registered)."""
+    table = _check_kind(kind)
+    if name not in table:
+        raise KeyError(f"{kind} {name!r} is not registered")
+    del table[name]
+
+
 def names(kind: str) -> list[str]:
     return sorted(_check_kind(kind))
 
