@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 __all__ = ["MoEConfig", "ModelConfig", "PRESETS", "preset_names", "resolve_model_config", "YaRNScaling"]
 
+ATTN_IMPLS = ("auto", "sdpa", "flex", "varlen")  # attention kernels of packed batches (models/document_mask.py)
 
 @dataclass
 class YaRNScaling:
@@ -211,8 +212,6 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
-        from lightning_moe.models.document_mask import ATTN_IMPLS
-
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
         if self.attn_impl == "varlen" and not self.same_head_dims:

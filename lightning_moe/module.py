@@ -342,7 +342,7 @@ class MoELanguageModel(L.LightningModule):
         (default: the one imported from, else inferred from the config). The weights are the optimizer's fp32
         masters where it keeps them (``master_dtype``), else the parameters; ``dtype=torch.bfloat16`` (a save_hf
         option, as every other keyword) casts them."""
-        from lightning_moe.checkpointing import param_names
+        from lightning_moe.checkpoint.optimizer_state import param_names
         from lightning_moe.models.hf import save_hf
 
         if self.model is None:

@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ATTN_IMPLS", "DocumentMask", "document_ids", "resolve_attn_impl"]
+from lightning_moe.config import ATTN_IMPLS  # the names live with the config, which imports no model code
+from lightning_moe.models.heads import expand_kv
 
-ATTN_IMPLS = ("auto", "sdpa", "flex", "varlen")
+__all__ = ["ATTN_IMPLS", "DocumentMask", "document_ids", "resolve_attn_impl"]
 
 
 def resolve_attn_impl(impl: str, device: torch.device, same_head_dims: bool) -> str:
@@ -166,7 +167,6 @@ class DocumentMask:
                k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
         """o [B, H, S, V] on one process: k/v may hold fewer heads (GQA) and a key part shared by every head
         (MLA's RoPE key), as at :class:`~lightning_moe.models.transformer.CoreAttention`."""
-        from lightning_moe.models.transformer import expand_kv
 
         H = q_BHSK.shape[1]
         if self.impl == "varlen":

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from lightning_moe.config import ModelConfig, YaRNScaling
 from lightning_moe.models import registry
 from lightning_moe.models.document_mask import DocumentMask, document_ids
+from lightning_moe.models.heads import expand_kv
 from lightning_moe.models.lm_loss import linear_cross_entropy, token_loss_sum
 from lightning_moe.moe.layer import MoELayer
 
@@ -126,20 +127,6 @@ def padded_causal_mask(q_pos_S: Tensor, k_pos_L: Tensor, key_valid_BL: Optional[
         return allowed_SL
     own_SL = k_pos_L[None, :] == q_pos_S[:, None]
     return ((allowed_SL[None] & key_valid_BL[:, None, :].bool()) | own_SL[None])[:, None]
-
-
-def expand_kv(num_heads: int, k_BGSK: Tensor, v_BGSV: Tensor,
-              k_shared_B1SP: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Keys and values for every query head: GQA's G kv heads repeated to ``num_heads``, and a key part shared by
-    every head (MLA's decoupled RoPE key [B, 1, S, P]) appended to each head's key. Done after any gather, so
-    context parallelism moves G heads and one shared part instead of ``num_heads`` copies."""
-    rep = num_heads // k_BGSK.shape[1]
-    assert rep * k_BGSK.shape[1] == num_heads and v_BGSV.shape[1] == k_BGSK.shape[1], "kv heads must divide q heads"
-    if rep > 1:
-        k_BGSK, v_BGSV = k_BGSK.repeat_interleave(rep, dim=1), v_BGSV.repeat_interleave(rep, dim=1)
-    if k_shared_B1SP is not None:
-        k_BGSK = torch.cat([k_BGSK, k_shared_B1SP.expand(-1, num_heads, -1, -1)], dim=-1)
-    return k_BGSK, v_BGSV
 
 
 class CoreAttention:

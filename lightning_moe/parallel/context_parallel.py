@@ -47,7 +47,8 @@ from torch import Tensor
 from lightning_moe.autograd import contiguous_grad
 from lightning_moe.collectives import all_gather, all_gather_autograd, wait
 from lightning_moe.models.document_mask import DocumentMask
-from lightning_moe.models.transformer import expand_kv, padded_causal_mask
+from lightning_moe.models.heads import expand_kv
+from lightning_moe.models.transformer import padded_causal_mask
 
 __all__ = ["cp_shard_indices", "shard_batch_for_cp", "AllGatherKVAttention"]
 
