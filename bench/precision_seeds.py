@@ -27,6 +27,9 @@ GPU (one H200, seconds per run; repository root):
     python bench/precision_seeds.py --seeds 5 --time-limit 420 --out bench/results/precision_seeds_h200.json
 CPU (about 65-100 s a run on one thread of the 2-core box; 20 runs):
     python bench/precision_seeds.py --device cpu --threads 1 --seeds 5 --out bench/results/precision_seeds_cpu.json
+Seeds in parallel processes on one GPU (the tiny preset is launch-bound, so 5 processes share an H200 well; each
+child runs one seed's modes in order, then the parent merges their reports into one table):
+    python bench/precision_seeds.py --seeds 5 --jobs 5 --time-limit 400 --out bench/results/precision_seeds_h200.json
 Seeds split over calls (``--first-seed 3 --seeds 2``), one table:
     python bench/precision_seeds.py --merge a.json b.json --out bench/results/precision_seeds_h200.json
 Smoke test (tests/test_bench_precision.py): ``--device cpu --seeds 2 --steps 10 --last 3 --small``.
@@ -276,6 +279,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
     p.add_argument("--small", action="store_true", help="2 x 64-token batches (smoke test)")
     p.add_argument("--out", default="bench/results/precision_seeds.json")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="run the seeds in this many child processes at once (one seed each), then merge")
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="no training: the table of the runs in these reports together (seeds split over calls)")
     args = p.parse_args(argv)
@@ -284,6 +289,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if bad:
         raise ValueError(f"--modes: unknown {bad}; choose from {list(MODES)}")
     args.modes = [REFERENCE] + [m for m in modes if m != REFERENCE]
+    if args.jobs < 1:
+        raise ValueError("--jobs must be at least 1")
     if args.seeds < 1 or args.last < 1 or (args.steps is not None and args.steps < args.last):
         raise ValueError("--seeds and --last must be positive and --steps at least --last")
     return args
@@ -320,11 +327,72 @@ def merge(paths: list[str], out: Path) -> int:
     return 0
 
 
+def run_parallel(args: argparse.Namespace, argv: list[str], t0: float) -> int:
+    """``--jobs N``: one child process per seed, N at a time, each with this call's other options and the time left;
+    the children's reports are merged into ``--out``. A child that fails or is stopped by the time limit leaves its
+    seed incomplete (the table shows which), never a mixed pair."""
+    import os
+    import subprocess
+
+    out = Path(args.out)
+    parts = out.with_name(out.stem + "_parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    drop = {"--jobs", "--seeds", "--first-seed", "--out", "--time-limit"}
+    keep: list[str] = []
+    it = iter(argv)
+    for a in it:  # this call's own options, minus the ones each child gets its own value of
+        name = a.split("=", 1)[0]
+        if name in drop:
+            if "=" not in a:
+                next(it, None)
+            continue
+        keep.append(a)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    pending = list(range(args.first_seed, args.first_seed + args.seeds))
+    running: list[tuple[int, Any, Path]] = []
+    done: list[Path] = []
+    failed: list[int] = []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            seed = pending.pop(0)
+            part = parts / f"seed{seed}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--first-seed", str(seed), "--seeds", "1",
+                   "--out", str(part)] + keep
+            if args.time_limit:
+                left = args.time_limit - (time.perf_counter() - t0) - 15  # the merge and the plot
+                if left <= 30:
+                    log(f"--time-limit: seed {seed} not started ({left:.0f} s left)")
+                    failed.append(seed)
+                    continue
+                cmd += ["--time-limit", f"{left:.0f}"]
+            log(f"[jobs] seed {seed}: {' '.join(cmd[1:])}")
+            running.append((seed, subprocess.Popen(cmd, env=env), part))
+        time.sleep(1.0)
+        for item in list(running):
+            seed, proc, part = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            if part.exists():
+                done.append(part)
+            if proc.returncode != 0:
+                failed.append(seed)
+                log(f"[jobs] seed {seed}: exit {proc.returncode}")
+    if not done:
+        log("[jobs] no child wrote a report")
+        return 1
+    merge([str(p) for p in sorted(done, key=lambda q: int(q.stem[len('seed'):]))], out)
+    return 0 if not failed else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
-    args = parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
     if args.merge:
         return merge(args.merge, Path(args.out))
+    if args.jobs > 1:
+        return run_parallel(args, raw, t0)
     device = train_step.pick_device(args.device)
     if device is None:
         return 2

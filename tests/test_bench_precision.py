@@ -13,11 +13,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_seed_study_smoke_run(tmp_path):
+    """Through ``--jobs 2``: each seed in its own child process (the sequential study), merged into one report."""
     pytest.importorskip("torchao", reason="the bf16 stochastic-rounding mode")
     out = tmp_path / "seeds.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "precision_seeds.py"), "--device", "cpu", "--threads",
-                           "1", "--seeds", "2", "--steps", "10", "--last", "3", "--small", "--out", str(out)],
+                           "1", "--seeds", "2", "--jobs", "2", "--steps", "10", "--last", "3", "--small", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
