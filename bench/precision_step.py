@@ -149,6 +149,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default cuda (cpu with --smoke)")
     p.add_argument("--smoke", action="store_true", help="CPU test of every code path: 2 small layers, a few steps")
     p.add_argument("--out", default="bench/results/precision_step.json")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="no training: the comparison of the runs in these reports together (runs from separate calls, "
+                        "paired by the seeded init and the first batch's checksum, which the table checks)")
     args = p.parse_args(argv)
     for name, full, small in (("speed_steps", 30, 4), ("conv_steps", 300, 6), ("warmup", 5, 1), ("last", 20, 3),
                               ("variant", "chunked+compile", "auto"), ("seq_len", 4096, 64), ("device", "cuda", "cpu")):
@@ -168,8 +171,28 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def merge(paths: list[str], args: argparse.Namespace) -> int:
+    """One report over the runs of several (a run that ran in two: the last report's); the settings of the first."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    done = {r["run"]: r for rep in reports for r in rep["runs"] if not r.get("skipped")}
+    first = reports[0]
+    merged_args = argparse.Namespace(**{**first["args"], "out": args.out, "time_limit": 0.0})
+    report = {**first, "args": vars(merged_args), "merged_from": paths,
+              "runs": [done[n] for n in RUNS if n in done], "copy_bandwidth": first.get("copy_bandwidth")}
+    report["comparison"] = compare(done, merged_args)
+    report["total_wall_s"] = sum(rep.get("total_wall_s", 0.0) for rep in reports)
+    report["table"] = report_text(report) + f"\nmerged from {', '.join(paths)}"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    log(report["table"])
+    return 0 if report["runs"] and all(r.get("ok") for r in report["runs"]) else 1  # as a training call's
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args)
     device = ts.pick_device(args.device)
     if device is None:
         return 2

@@ -69,6 +69,18 @@ def test_precision_step_smoke_run(tmp_path):
     assert c["convergence"]["steps"] == 6 and c["convergence"]["same_batches"]
     text = out.with_suffix(".log").read_text()
     assert "tokens/s bf16-master / bf16-true" in text and "optimizer step" in text and "final loss" in text
+    # --merge: the runs split over two reports (two calls) give the one call's comparison
+    parts = []
+    for i, names in enumerate((["bf16-true", "bf16-master"], ["bf16-mixed"])):
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps({**report, "runs": [runs[n] for n in names]}))
+    merged_out = tmp_path / "merged.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "precision_step.py"), "--smoke", "--merge",
+                           *map(str, parts), "--out", str(merged_out)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    merged = json.loads(merged_out.read_text())
+    assert merged["comparison"] == report["comparison"] and [r["run"] for r in merged["runs"]] == list(runs)
 
 
 def test_optimizer_bytes_of_master_weights():
