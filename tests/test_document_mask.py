@@ -255,7 +255,7 @@ def test_module_refuses_hf_collator_batches_and_trains_on_packed_ones():
         fit(drop_labels=False)
     module = fit(drop_labels=True)
     # the step's token count excludes each document's last token: 32 tokens, 4 documents
-    assert float(module.last_step.num_tokens) == 32 - 4
+    assert float(module.step_result.num_tokens) == 32 - 4
     with torch.no_grad():
         logits = module(hf_batch["input_ids"], position_ids=hf_batch["position_ids"])
         first = module(hf_batch["input_ids"][:, :5])
