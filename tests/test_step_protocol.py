@@ -60,3 +60,32 @@ def test_the_rule_finds_a_side_channel(tmp_path):
     line = "self.last_step = result"
     assert any(re.search(rf"\b{re.escape(n)}\b", line) for n in BANNED_NAMES)
     assert not any(re.search(rf"\b{re.escape(n)}\b", "self._prev_step_time = t") for n in BANNED_NAMES)
+
+
+def _unfinalised_step(rank: int, world_size: int) -> str:
+    import lightning as L
+
+    from lightning_moe import MoELanguageModel, MoEParallelStrategy
+    from parallel_harness import FixedData, small_config
+
+    class NoSuper(MoELanguageModel):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            optimizer.step(closure=optimizer_closure)  # skips the module's finalisation
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEParallelStrategy(), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0)
+    try:
+        trainer.fit(NoSuper(small_config(), warmup_steps=0), datamodule=FixedData(2, 4))
+    except RuntimeError as e:
+        return str(e)
+    return "trained"
+
+
+def test_the_strategy_refuses_a_step_that_was_not_finalised():
+    """The finalisation is the module's call (through the strategy's one hook): a module whose optimizer_step skips
+    it would step on unnormalised gradients and a stale expert bias; the strategy stops it with the fix named."""
+    from _dist import run_distributed
+
+    msg = run_distributed(_unfinalised_step, 1)
+    assert "without gradient finalisation" in msg and "super().optimizer_step" in msg, msg
