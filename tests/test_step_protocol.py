@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 from test_import_graph import PACKAGE, import_graph
 
