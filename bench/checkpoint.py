@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
             self.losses: list[float] = []
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            self.losses.append(float(pl_module.last_step.loss))
+            self.losses.append(float(pl_module.step_result.loss))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if args.resume or trainer.global_step != args.steps:

@@ -115,7 +115,7 @@ def check_kernels(impls: list[str], device: torch.device, small: bool) -> list[d
         def run(impl: str) -> tuple[torch.Tensor, torch.Tensor]:
             model.config.attn_impl = impl
             model.zero_grad()
-            loss = model(ids, labels_BS=labels, position_ids_BS=pos, loss_impl="torch")
+            loss = model(ids, labels_BS=labels, position_ids_BS=pos, loss_impl="torch").loss_sum
             loss.backward()
             grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
             return loss.detach().float(), grads

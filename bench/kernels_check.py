@@ -62,6 +62,7 @@ from lightning_moe.moe import kernels  # noqa: E402
 from lightning_moe.moe.dispatch import LocalDispatcher  # noqa: E402
 from lightning_moe.moe.dispatch.rows import _PermuteRows, _UnpermuteRows  # noqa: E402
 from lightning_moe.moe.experts import _GatherGateUp  # noqa: E402
+from lightning_moe.moe.record import MoERecorder  # noqa: E402
 from lightning_moe.moe.router_gemm import router_logits  # noqa: E402
 from lightning_moe.moe.layer import MoELayer  # noqa: E402
 from lightning_moe.moe.router import RoutingResult  # noqa: E402
@@ -236,8 +237,10 @@ def check_layer(rows, dev):
             def step():
                 layer.zero_grad(set_to_none=True)
                 xi.grad = None
-                out = layer(xi)
-                torch.autograd.backward([out, layer.last_aux_loss], [gy, torch.ones_like(layer.last_aux_loss)])
+                recorder = MoERecorder()
+                out = layer(xi, recorder=recorder)
+                aux = recorder.records[0].aux_loss
+                torch.autograd.backward([out, aux], [gy, torch.ones_like(aux)])
                 return out
 
             out = step()

@@ -20,7 +20,7 @@ Per shape (``--shapes``, all three by default):
 ``bare``           only the GEMMs of the routed expert work, through autograd on ``torch._grouped_mm``: gate, up and
                    down projections on rows already grouped by expert (3 grouped GEMMs forward; 6 backward:
                    dx for gate and up, dh for down, and the three weight gradients), with the per-expert counts our
-                   layer produced on this input (``last_stats["tokens_per_expert"]``), our layer's weights, no
+                   layer produced on this input (its routing record's ``tokens_per_expert``), our layer's weights, no
                    SwiGLU, no routing, no permutation. ``bare_balanced``: the same with equal counts.
                    With shared experts (DeepSeek-V3): ``bare_shared`` (the shared expert's 3 + 6 dense GEMMs) and
                    ``bare_routed+shared`` (both in one step), the denominator of the DeepSeek-V3 target.
@@ -205,21 +205,25 @@ def routing_summary(counts: torch.Tensor) -> dict[str, Any]:
 def train_router(layer: Any, x: torch.Tensor, steps: int, lr: float) -> list[dict[str, Any]]:
     """``steps`` SGD steps on the router weight only (loss: mean(y * dy') + the layer's aux and z losses, a fresh
     random dy' each step), with the expert-bias update of aux-loss-free balancing after each."""
+    from lightning_moe.moe.record import MoERecorder
+
     hist = []
     opt = torch.optim.SGD([layer.router.weight], lr=lr)
     gen = torch.Generator(device=x.device).manual_seed(1)
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        y = layer(x)
+        recorder = MoERecorder()
+        y = layer(x, recorder=recorder)
+        rec = recorder.records[0]
         d = torch.randn(y.shape, device=y.device, dtype=torch.float32, generator=gen)
-        loss = (y.float() * d).mean() + layer.last_aux_loss + layer.last_z_loss
+        loss = (y.float() * d).mean() + rec.aux_loss + rec.z_loss
         loss.backward()
         opt.step()
-        layer.router.update_expert_bias()
-        hist.append({"loss": float(loss), **routing_summary(layer.last_stats["tokens_per_expert"])})
+        if rec.routing.bias_demand is not None:
+            layer.router.update_expert_bias(rec.routing.bias_demand)
+        hist.append({"loss": float(loss), **routing_summary(rec.routing.tokens_per_expert)})
         for p in layer.parameters():
             p.grad = None
-    layer.pop_routing_stats()
     return hist
 
 
@@ -234,9 +238,7 @@ def numerics_check(layer: Any, cfg: Any, x: torch.Tensor, dy: torch.Tensor, n: i
     with torch.device("meta"):
         ref = MoELayer(cfg.moe, cfg.hidden_size, init_std=cfg.init_std)
     ref = ref.to_empty(device=x.device).float()
-    ref.load_state_dict(layer.state_dict())  # the non-persistent bias counts are in neither: zeroed below
-    if ref.router.bias_counts is not None:
-        ref.router.bias_counts.zero_()
+    ref.load_state_dict(layer.state_dict())
     ref.train()
     for p in ref.parameters():
         p.requires_grad_(False)
@@ -497,6 +499,8 @@ def output_diff(y: torch.Tensor, y_ours: torch.Tensor) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ one shape
 def run_shape(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
               save: Callable[[], None], rep: dict[str, Any]) -> None:
+    from lightning_moe.moe.record import MoERecorder
+
     spec = SHAPES[name]
     runs: dict[str, dict[str, Any]] = rep.setdefault("runs", {})
     cfg = model_config(name, args.small)
@@ -548,10 +552,11 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, dtype: 
 
     def learned() -> None:
         nonlocal counts, y_ours
-        with torch.no_grad():
-            y_ours = layer(x).detach()
+        recorder = MoERecorder()
+        with torch.no_grad():  # the timed steps route the same way (no weight moves between them)
+            y_ours = layer(x, recorder=recorder).detach()
         res.update(time_steps(fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters))
-        counts = layer.last_stats["tokens_per_expert"].detach().clone()
+        counts = recorder.records[0].routing.tokens_per_expert.clone()
         res["routing"] = routing_summary(counts)
         res["tokens_per_expert"] = counts.tolist()
         res["fell_back_to_loop"] = bool(getattr(layer.experts, "_warned_fallback", False))
@@ -581,7 +586,10 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, dtype: 
         layer.router.config.force_balance = True
         try:
             res.update(time_steps(fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters))
-            res["routing"] = routing_summary(layer.last_stats["tokens_per_expert"])
+            recorder = MoERecorder()
+            with torch.no_grad():
+                layer(x, recorder=recorder)
+            res["routing"] = routing_summary(recorder.records[0].routing.tokens_per_expert)
         finally:
             layer.router.config.force_balance = False
 

@@ -72,7 +72,7 @@ def account(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[tuple[str, 
         return t
 
     with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, labels_BS=ids)
+        loss = model(ids, labels_BS=ids).loss_sum
     return dict(acct), loss
 
 

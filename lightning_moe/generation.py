@@ -78,21 +78,20 @@ def sample_next_token(logits_BV: Tensor, temperature: float = 0.0, top_p: float 
 
 @contextlib.contextmanager
 def _inference_state(model: MoETransformer) -> Iterator[None]:
-    """Eval mode, dropless routing, and the MoE layers' last losses/stats untouched, for the duration."""
+    """Eval mode and dropless routing, for the duration."""
     was_training = model.training
     saved = []
     for layer in model.moe_layers():
         router_cfg = layer.router.config
-        saved.append((layer, router_cfg, layer.last_aux_loss, layer.last_z_loss, layer.last_stats))
+        saved.append((layer, router_cfg))
         if router_cfg.capacity_factor is not None:
             layer.router.config = dataclasses.replace(router_cfg, capacity_factor=None, pad_to_capacity=False)
     model.eval()
     try:
         yield
     finally:
-        for layer, router_cfg, aux, z, stats in saved:
+        for layer, router_cfg in saved:
             layer.router.config = router_cfg
-            layer.last_aux_loss, layer.last_z_loss, layer.last_stats = aux, z, stats
         model.train(was_training)
 
 

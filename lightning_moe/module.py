@@ -1,8 +1,16 @@
 """MoELanguageModel: the LightningModule (build pipeline, steps, optimizers, logging).
 
+The step protocol (DESIGN invariant 13; docs/architecture.md): ``training_step`` calls the model's forward, which
+returns an :class:`~lightning_moe.models.outputs.LMStepOutput` (token-loss sum, valid tokens, each MoE layer's losses
+and routing record); the module's :class:`~lightning_moe.step.StepAccumulator` (``step_accumulator``) sums the
+micro-batches; after the last backward ``optimizer_step`` hands the accumulated
+:class:`~lightning_moe.step.StepRecord` to the strategy's ``finalize_step`` hook (or, on Lightning's single-device
+strategy, to :func:`~lightning_moe.parallel.finalize.finalize_step` itself) and keeps the
+:class:`~lightning_moe.step.StepResult` as ``step_result``, which the routing monitor reads.
+
 Loss normalisation (DESIGN invariant 4): every micro-batch backpropagates the *sum* of its token losses plus its
 global valid-token count times its MoE losses; once the step's last backward is done, the gradient finalisation
-(:mod:`lightning_moe.parallel.finalize`, run by the strategy) multiplies the gradients by
+(:mod:`lightning_moe.parallel.finalize`) multiplies the gradients by
 ``accumulate_grad_batches / N`` (N = valid tokens of the whole optimizer step over all data-parallel ranks and
 micro-batches; Lightning has already divided by accumulate_grad_batches). The step's objective is therefore
 
@@ -40,7 +48,9 @@ from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.lm_loss import IGNORE_INDEX, LOSS_IMPLS
 from lightning_moe.models.transformer import MoETransformer, check_components
 from lightning_moe.optim import AdamW, MasterAdamW
-from lightning_moe.parallel.finalize import StepResult, StepTotals, finalize_module_step, finalizing_closure
+from lightning_moe.models.outputs import LMStepOutput
+from lightning_moe.parallel.finalize import finalize_step, finalizing_closure
+from lightning_moe.step import StepAccumulator, StepResult
 from lightning_moe.strategies import MoEParallelStrategy
 
 
@@ -202,13 +212,16 @@ class MoELanguageModel(L.LightningModule):
         self.skip_empty_steps = skip_empty_steps
         self.model_transforms = list(model_transforms or [])
         self.model: Optional[MoETransformer] = None
-        self.step_totals = StepTotals()  # the running optimizer step's loss sum and token count (all data ranks)
-        self.last_step: Optional[StepResult] = None  # the last finalised optimizer step
+        #: the running optimizer step: loss sum and token count (all data ranks), this process's routing records
+        self.step_accumulator = StepAccumulator()
+        #: the last finalised optimizer step (global numbers, identical on every rank): what callbacks such as
+        #: LoadBalanceMonitor read in on_before_optimizer_step; None before the first step
+        self.step_result: Optional[StepResult] = None
         self.last_train_loss: Optional[Tensor] = None
         self.initial_val_loss: Optional[float] = None
         self.last_val_loss: Optional[float] = None
         self._val_sums: Optional[Tensor] = None
-        self._last_step_time: Optional[float] = None
+        self._prev_step_time: Optional[float] = None
         self._last_saved_step = -1  # global step of the last checkpoint saved in this process
         self._restored_hparams: Optional[dict[str, Any]] = None  # of the checkpoint being resumed
         self._initial_state: Optional[dict[str, Tensor]] = None  # full weights to start from (upcycling)
@@ -372,8 +385,8 @@ class MoELanguageModel(L.LightningModule):
         parallel = self._parallel
         return t if parallel is None else parallel.reduce_token_sum(t)
 
-    def _token_loss_sum(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """(sum of token losses, local valid-token count) for a batch, in fp32."""
+    def _step_output(self, batch: dict[str, Tensor]) -> LMStepOutput:
+        """The model's step output for a batch (this rank's part of it under context parallelism)."""
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
         position_ids = batch.get("position_ids")
@@ -393,43 +406,64 @@ class MoELanguageModel(L.LightningModule):
             input_ids, labels, attention_mask = local["input_ids"], local["labels"], local.get("attention_mask")
             positions, position_ids = local.get("global_positions"), local.get("position_ids")
         assert self.model is not None, "call configure_model() first (the Trainer does)"
-        loss_sum = self.model(input_ids, attention_mask, positions, labels_BS=labels, loss_impl=self.loss_impl,
-                              position_ids_BS=position_ids)
-        return loss_sum, (labels != IGNORE_INDEX).sum()
+        out = self.model(input_ids, attention_mask, positions, labels_BS=labels, loss_impl=self.loss_impl,
+                         position_ids_BS=position_ids)
+        assert isinstance(out, LMStepOutput)
+        return out
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         assert self.model is not None
         if not self._train_batch_checked:  # once: batches from any collator (e.g. transformers') meet our contract
             self._check_batch(batch)
             self._train_batch_checked = True
-        loss_sum, n_local = self._token_loss_sum(batch)
-        sums = self._reduce_sum(torch.stack([loss_sum.detach(), n_local.to(loss_sum.dtype)]))
+        out = self._step_output(batch)
+        sums = self._reduce_sum(torch.stack([out.loss_sum.detach(), out.num_tokens.to(out.loss_sum.dtype)]))
         num_tokens = sums[1]  # this micro-batch's valid tokens over every data rank
-        self.step_totals.add(sums[0], num_tokens)
-        aux, z = self.model.moe_losses()
-        objective = loss_sum + num_tokens * (aux + z)
+        self.step_accumulator.add(sums[0], num_tokens, out.routing)
+        objective = out.loss_sum + num_tokens * (out.aux_loss + out.z_loss)
         if self._trainer is not None and self.trainer.accumulate_grad_batches == 1:
             # the step's token count is known before its only backward: normalise here, so no pass over every
             # gradient is needed afterwards (the finalisation skips its 1/N scaling of prescaled steps)
-            self.step_totals.prescaled = True
+            self.step_accumulator.prescaled = True
             return objective / num_tokens.clamp(min=1)
         return objective
 
     # ---- gradient finalisation ------------------------------------------------------------------------------
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Optional[Callable] = None) -> None:
-        """Under Lightning's single-device strategy the gradient finalisation runs here, right after the closure's
-        backward and before any ``on_before_optimizer_step`` hook (``MoEParallelStrategy`` does the same in its own
-        ``optimizer_step``). An override must call ``super().optimizer_step(...)``."""
-        if self._parallel is None and optimizer_closure is not None:
-            optimizer_closure = finalizing_closure(optimizer_closure, lambda: finalize_module_step(self))
+        """Runs the gradient finalisation (:meth:`finalize_gradients`) right after the closure's backward and
+        before any ``on_before_optimizer_step`` hook, under every supported strategy. An override must call
+        ``super().optimizer_step(...)`` (``MoEParallelStrategy`` raises when a step was not finalised)."""
+        if optimizer_closure is not None:
+            optimizer_closure = finalizing_closure(optimizer_closure, self.finalize_gradients)
         optimizer.step(closure=optimizer_closure)
+
+    def finalize_gradients(self) -> StepResult:
+        """Hand the step's accumulated record to the gradient finalisation, with everything it needs given
+        explicitly: through the strategy's ``finalize_step`` hook (which adds its layout's groups), or on
+        Lightning's single-device strategy to :func:`~lightning_moe.parallel.finalize.finalize_step` directly.
+        Then :meth:`on_step_finalized`."""
+        assert self.model is not None
+        kwargs = dict(
+            parameters=self.parameters(),
+            accumulate_grad_batches=self.trainer.accumulate_grad_batches,
+            update_expert_bias=self.model.update_expert_bias,
+            skip_empty=self.skip_empty_steps,
+            step=self.trainer.global_step,
+            # fp32 master weights: their gradients are summed in fp32 where they are summed (as FSDP2's reduce-scatter)
+            tp_reduce_dtype=self.master_dtype,
+        )
+        record = self.step_accumulator.pop()
+        parallel = self._parallel
+        result = parallel.finalize_step(record, **kwargs) if parallel is not None else finalize_step(record, **kwargs)
+        self.on_step_finalized(result)
+        return result
 
     def on_step_finalized(self, result: StepResult) -> None:
         """Called by the gradient finalisation with the step's global statistics, before the hooks: keeps them
-        (``last_step``, ``last_train_loss``) and logs the layout-invariant step metrics. Per-layer routing health
+        (``step_result``, ``last_train_loss``) and logs the layout-invariant step metrics. Per-layer routing health
         (load ratios, dropped and dead experts, entropy, per-layer losses) is
         :class:`~lightning_moe.callbacks.LoadBalanceMonitor`'s job."""
-        self.last_step = result
+        self.step_result = result
         if result.skipped:
             return
         self.last_train_loss = result.loss
@@ -441,11 +475,11 @@ class MoELanguageModel(L.LightningModule):
             self.log("train/lr", float(self.trainer.optimizers[0].param_groups[0]["lr"]))
         # throughput of the whole run (all ranks): the step's valid tokens over the time since the last step
         # (the finalisation synchronised the device, so the clock sees its work)
-        if self._last_step_time is not None:
-            tps = float(result.num_tokens) / max(result.finished_at - self._last_step_time, 1e-9)
+        if self._prev_step_time is not None:
+            tps = float(result.num_tokens) / max(result.finished_at - self._prev_step_time, 1e-9)
             self.log("train/tokens_per_sec", tps, prog_bar=True)
             self.log("train/tokens_per_sec_per_device", tps / self.trainer.world_size)
-        self._last_step_time = result.finished_at
+        self._prev_step_time = result.finished_at
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
@@ -466,12 +500,12 @@ class MoELanguageModel(L.LightningModule):
     # ---- validation ---------------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
         self._val_sums = None
-        self._last_step_time = None  # validation time is no training throughput
+        self._prev_step_time = None  # validation time is no training throughput
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._check_batch(batch)  # evaluation data may come from anywhere (trainer.validate); not in training steps
-        loss_sum, n_local = self._token_loss_sum(batch)
-        s = torch.stack([loss_sum.detach(), n_local.to(loss_sum.dtype)])
+        out = self._step_output(batch)
+        s = torch.stack([out.loss_sum.detach(), out.num_tokens.to(out.loss_sum.dtype)])
         self._val_sums = s if self._val_sums is None else self._val_sums + s
 
     def on_test_epoch_start(self) -> None:

@@ -74,7 +74,7 @@ class _Run(Callback):
         self.states: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self.losses.append(float(pl_module.last_step.loss))
+        self.losses.append(float(pl_module.step_result.loss))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.record is not None and trainer.global_step <= 2:

@@ -137,9 +137,9 @@ class EquivalenceModel(MoELanguageModel):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
         self.step_losses.append(float(self.last_train_loss))
-        assert self.last_step is not None
-        self.step_aux_losses.append(float(self.last_step.aux_loss))
-        self.step_z_losses.append(float(self.last_step.z_loss))
+        assert self.step_result is not None
+        self.step_aux_losses.append(float(self.step_result.aux_loss))
+        self.step_z_losses.append(float(self.step_result.z_loss))
 
 
 def train(layout: Optional[dict[str, Any]], world_size: int, accumulate: int = 1, clip: Optional[float] = None,

@@ -14,6 +14,7 @@ from _dist import run_distributed
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.dispatch import AllToAllDispatcher
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.moe.record import MoERecorder
 from lightning_moe.parallel.parallelize import _shard_param
 
 D, S, E, K = 32, 24, 4, 2
@@ -65,7 +66,8 @@ def _worker(rank: int, world_size: int, policy: str) -> dict:
     torch.manual_seed(100 + rank)  # every rank has its own tokens
     x = torch.randn(1, S, D)
     y_ref = ref(x)
-    y_ep = ep_layer(x)
+    recorder = MoERecorder()
+    y_ep = ep_layer(x, recorder=recorder)
     torch.testing.assert_close(y_ep, y_ref, rtol=1e-5, atol=1e-6)
 
     routing = ref.router(x.reshape(S, D), seq_len=S)
@@ -83,8 +85,9 @@ def _worker(rank: int, world_size: int, policy: str) -> dict:
     assert torch.equal(routing.keep_mask, expected), (routing.keep_mask, expected)
     n_dropped = int((~expected).sum())
     assert n_dropped > 0, "the case should drop something"
-    assert int(ep_layer.last_stats["num_dropped"]) == n_dropped
-    assert int(ep_layer.last_stats["tokens_per_expert"].sum()) == S * K - n_dropped
+    st = recorder.records[0].routing
+    assert int(st.num_dropped) == n_dropped
+    assert int(st.tokens_per_expert.sum()) == S * K - n_dropped
     return {"dropped": n_dropped}
 
 
@@ -118,7 +121,7 @@ def test_dropped_fraction_is_logged(tmp_path):
                         callbacks=[monitor])
     trainer.fit(model, datamodule=_Tokens())
     frac = monitor.last_metrics["moe/layer1/dropped_fraction"]
-    stats = model.model.layers["1"].moe.last_stats
-    expected = float(stats["num_dropped"]) / (4 * 16 * 2)
+    stats = model.step_result.routing[1]  # the step's record, which the monitor read
+    expected = float(stats.num_dropped) / (4 * 16 * 2)
     assert frac > 0
     assert abs(frac - expected) < 1e-6

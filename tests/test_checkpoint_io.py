@@ -226,7 +226,7 @@ def _async(rank: int, world_size: int, tmp: str) -> dict:
 
         class Rec(Callback):
             def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-                losses.append(float(pl_module.last_step.loss))
+                losses.append(float(pl_module.step_result.loss))
 
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MoEParallelStrategy(ep=2, async_save=async_save),
                             max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,

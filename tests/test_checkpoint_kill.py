@@ -95,7 +95,7 @@ def _resume(rank: int, world_size: int, paths: list[str]) -> list[list[float]]:
 
         class Rec(L.Callback):
             def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-                losses.append(float(pl_module.last_step.loss))
+                losses.append(float(pl_module.step_result.loss))
 
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEParallelStrategy(), max_steps=3, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -152,7 +152,7 @@ def test_packed_logits_equal_each_document_alone(attention, impl):
 
 def _packed_loss_and_grads(model, ids, mask, pos, labels):
     model.zero_grad()
-    loss = model(ids, mask, labels_BS=labels, position_ids_BS=pos, loss_impl="torch")
+    loss = model(ids, mask, labels_BS=labels, position_ids_BS=pos, loss_impl="torch").loss_sum
     loss.backward()
     return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
                            for n, p in model.named_parameters() if p.grad is not None}
@@ -170,7 +170,7 @@ def test_packed_loss_and_gradients_equal_the_documents_alone(attention):
         assert labels[b, start + len(doc) - 1] == -100  # the document's last token predicts nothing
     loss, grads = _packed_loss_and_grads(model, ids, mask, pos, labels)
     model.zero_grad()
-    ref = sum(model(doc[None], labels_BS=shift_labels(doc[None]), loss_impl="torch") for _, _, doc in docs)
+    ref = sum(model(doc[None], labels_BS=shift_labels(doc[None]), loss_impl="torch").loss_sum for _, _, doc in docs)
     ref.backward()
     _assert_rel(loss, ref.detach(), what="loss")
     for n, p in model.named_parameters():
@@ -255,7 +255,7 @@ def test_module_refuses_hf_collator_batches_and_trains_on_packed_ones():
         fit(drop_labels=False)
     module = fit(drop_labels=True)
     # the step's token count excludes each document's last token: 32 tokens, 4 documents
-    assert float(module.last_step.num_tokens) == 32 - 4
+    assert float(module.step_result.num_tokens) == 32 - 4
     with torch.no_grad():
         logits = module(hf_batch["input_ids"], position_ids=hf_batch["position_ids"])
         first = module(hf_batch["input_ids"][:, :5])

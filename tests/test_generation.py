@@ -158,15 +158,19 @@ def test_generation_leaves_training_state_alone():
     model = make_model(make_config(capacity_factor=0.5)).train()
     layer = model.moe_layers()[0]
     ids = tokens((2, 6))
-    model(ids)  # a training forward: its losses and stats must survive the generation
-    aux, stats, bias = layer.last_aux_loss, layer.last_stats, layer.router.expert_bias.clone()
-    counts = layer.router.bias_counts.clone()
-    cfg = layer.router.config
+    before = model(ids, labels_BS=ids)  # a training forward, before and after the generation: the same record
+    bias, cfg = layer.router.expert_bias.clone(), layer.router.config
     generate(model, ids, max_new_tokens=4)
     assert model.training
-    assert layer.last_aux_loss is aux and layer.last_stats is stats
-    assert torch.equal(layer.router.bias_counts, counts) and torch.equal(layer.router.expert_bias, bias)
-    assert layer.router.config is cfg and cfg.capacity_factor == 0.5
+    assert torch.equal(layer.router.expert_bias, bias)
+    assert layer.router.config is cfg and cfg.capacity_factor == 0.5  # capacity dropping is back
+    after = model(ids, labels_BS=ids)
+    assert sorted(after.moe) == sorted(before.moe)
+    for i, rec in before.moe.items():
+        assert int(rec.routing.num_dropped) > 0  # capacity 0.5 drops in training forwards
+        for a, b in zip(rec.routing.values(), after.moe[i].routing.values()):
+            assert (a is None and b is None) or torch.equal(a, b)
+        torch.testing.assert_close(after.moe[i].aux_loss, rec.aux_loss, rtol=0, atol=0)
 
 
 def test_eos_stops_each_sequence():

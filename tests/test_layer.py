@@ -12,6 +12,7 @@ from lightning_moe.config import MoEConfig
 from lightning_moe.moe.dispatch import LocalDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.moe.record import MoERecorder
 from lightning_moe.moe.router import TopKRouter
 
 D, FF, E, K = 16, 32, 8, 2
@@ -75,18 +76,28 @@ def _fwd_bwd(layer, fn, x0, up, valid=None):
     return y.detach(), grads
 
 
+def _recorded(layer, *args):
+    """The layer's output and the one MoERecord its forward handed the recorder."""
+    recorder = MoERecorder()
+    y = layer(*args, recorder=recorder, layer_idx=3)
+    assert list(recorder.records) == [3]
+    return y, recorder.records[3]
+
+
 def _check_against_reference(layer, valid=None, seed=1):
+    """Output and gradients against the dense reference; returns (input, output, the forward's MoERecord)."""
     torch.manual_seed(seed)
     x0 = torch.randn(B, S, D)
     up = torch.randn(B, S, D)
-    y, g = _fwd_bwd(layer, layer.forward, x0, up, valid)
+    recorder = MoERecorder()
+    y, g = _fwd_bwd(layer, lambda x, v: layer(x, v, recorder=recorder), x0, up, valid)
     y_ref, g_ref = _fwd_bwd(layer, lambda x, v: dense_reference(layer, x, v), x0, up, valid)
     torch.testing.assert_close(y, y_ref, rtol=RTOL, atol=ATOL)
     assert set(g) == set(g_ref)
     for name in g:
         assert g[name] is not None and g_ref[name] is not None, name
         torch.testing.assert_close(g[name], g_ref[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-    return x0, y
+    return x0, y, recorder.records[0]
 
 
 @pytest.mark.parametrize(
@@ -106,13 +117,17 @@ def test_matches_dense_reference(cfg):
     assert isinstance(layer.dispatcher, LocalDispatcher)
     assert "dispatcher" not in dict(layer.named_modules())
     assert (layer.shared_experts is not None) == bool(cfg.get("shared_expert_hidden_size"))
-    _check_against_reference(layer)
-    st = layer.last_stats
-    assert st["tokens_per_expert"].shape == (E,) and int(st["tokens_per_expert"].sum()) == B * S * K
-    assert int(st["num_dropped"]) == 0 and int(st["num_tokens"]) == B * S
-    assert all(not t.requires_grad for t in st.values())
-    assert layer.last_aux_loss.requires_grad and layer.last_aux_loss.dim() == 0
-    assert layer.last_z_loss.dim() == 0
+    _, _, rec = _check_against_reference(layer)
+    st = rec.routing
+    assert st.tokens_per_expert.shape == (E,) and int(st.tokens_per_expert.sum()) == B * S * K
+    assert int(st.num_dropped) == 0 and int(st.num_tokens) == B * S
+    assert all(not t.requires_grad for t in st.values() if t is not None)
+    # a training forward with expert bias reports the demand (every valid token's k choices, before capacity)
+    assert (st.bias_demand is not None) == bool(cfg.get("expert_bias"))
+    if st.bias_demand is not None:
+        assert st.bias_demand.shape == (E,) and int(st.bias_demand.sum()) == B * S * K
+    assert rec.aux_loss.requires_grad and rec.aux_loss.dim() == 0
+    assert rec.z_loss.dim() == 0
 
 
 def test_sum_backward_and_loop_experts_agree():
@@ -134,15 +149,15 @@ def test_capacity_dropping(policy):
     _check_against_reference(layer)  # dropped assignments have zero weight in the reference
     torch.manual_seed(1)
     x = torch.randn(B, S, D)
-    y = layer(x)
+    y, rec = _recorded(layer, x)
     r = layer.router(x.reshape(-1, D), None, seq_len=S)
     keep = r.keep_mask
     assert keep is not None and r.capacity == 3  # ceil(0.5 * 24 * 2 / 8)
     expected_dropped = int((~keep).sum())
     assert expected_dropped > 0
-    assert int(layer.last_stats["num_dropped"]) == expected_dropped
+    assert int(rec.routing.num_dropped) == expected_dropped
     kept_per_expert = torch.bincount(r.expert_ids[keep], minlength=E)
-    assert torch.equal(layer.last_stats["tokens_per_expert"], kept_per_expert)
+    assert torch.equal(rec.routing.tokens_per_expert, kept_per_expert)
     assert int(kept_per_expert.max()) <= r.capacity
     # explicit per-assignment sum over kept assignments only
     x_TD = x.reshape(-1, D)
@@ -170,14 +185,15 @@ def test_pad_to_capacity_same_output():
     torch.manual_seed(1)
     x0 = torch.randn(B, S, D)
     up = torch.randn(B, S, D)
-    y1, g1 = _fwd_bwd(plain, lambda x, v: plain(x, v), x0, up)
-    y2, g2 = _fwd_bwd(padded, lambda x, v: padded(x, v), x0, up)
+    rec1, rec2 = MoERecorder(), MoERecorder()
+    y1, g1 = _fwd_bwd(plain, lambda x, v: plain(x, v, recorder=rec1), x0, up)
+    y2, g2 = _fwd_bwd(padded, lambda x, v: padded(x, v, recorder=rec2), x0, up)
     cap = plain.router(x0.reshape(-1, D), None, seq_len=S).capacity
     assert seen == [(E * cap, [cap] * E)]  # static shapes: every expert buffer padded to capacity
     torch.testing.assert_close(y1, y2, rtol=RTOL, atol=ATOL)
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], rtol=RTOL, atol=ATOL)
-    assert torch.equal(plain.last_stats["num_dropped"], padded.last_stats["num_dropped"])
+    assert torch.equal(rec1.records[0].routing.num_dropped, rec2.records[0].routing.num_dropped)
     _check_against_reference(padded)
 
 
@@ -188,11 +204,13 @@ def test_padding_tokens(cfg):
     valid = torch.ones(B, S, dtype=torch.bool)
     valid[0, 9:] = False
     valid[1, 4:] = False
-    x0, _ = _check_against_reference(layer, valid)
+    x0, _, rec = _check_against_reference(layer, valid)
     n_valid = int(valid.sum())
-    st = layer.last_stats
-    assert int(st["num_tokens"]) == n_valid
-    assert int(st["tokens_per_expert"].sum()) + int(st["num_dropped"]) == n_valid * K
+    st = rec.routing
+    assert int(st.num_tokens) == n_valid
+    assert int(st.tokens_per_expert.sum()) + int(st.num_dropped) == n_valid * K
+    if st.bias_demand is not None:  # the demand counts valid tokens only, before capacity
+        assert int(st.bias_demand.sum()) == n_valid * K
     # padding tokens get no routed output: only the shared experts (if any) act on them
     y = layer(x0, valid)
     pad = ~valid
@@ -206,10 +224,10 @@ def test_all_padding_zero_rows():
     layer = _layer(**dict(SOFTMAX, shared_expert_hidden_size=24))
     x = torch.randn(B, S, D, requires_grad=True)
     valid = torch.zeros(B, S, dtype=torch.bool)
-    y = layer(x, valid)
+    y, rec = _recorded(layer, x, valid)
     torch.testing.assert_close(y, layer.shared_experts(x), rtol=RTOL, atol=ATOL)
     y.sum().backward()
-    assert int(layer.last_stats["tokens_per_expert"].sum()) == 0 and int(layer.last_stats["num_tokens"]) == 0
+    assert int(rec.routing.tokens_per_expert.sum()) == 0 and int(rec.routing.num_tokens) == 0
     assert layer.experts.w1.grad is not None and torch.count_nonzero(layer.experts.w1.grad) == 0
 
 
@@ -227,11 +245,11 @@ def test_dtypes():
     # bf16 everything ("bf16-true"): the router still routes in fp32
     layer16 = copy.deepcopy(layer).to(torch.bfloat16)
     x16 = x.bfloat16().requires_grad_(True)
-    y16 = layer16(x16)
+    y16, rec16 = _recorded(layer16, x16)
     assert y16.dtype == torch.bfloat16
     y16.float().sum().backward()
     assert x16.grad.dtype == torch.bfloat16
-    assert layer16.last_aux_loss.dtype == torch.float32
+    assert rec16.aux_loss.dtype == torch.float32
 
 
 def test_meta_init_and_state_dict_keys():
@@ -265,17 +283,26 @@ def test_bad_input():
         MoELayer(dataclasses.replace(MoEConfig(), num_experts=0), D)
 
 
-def test_checkpoint_recompute_keeps_last_losses():
-    """A user's own checkpoint passes lightning_moe's recompute_context (as apply_ac does): the re-run marks itself."""
+def test_checkpoint_recompute_records_once():
+    """A user's own checkpoint passes lightning_moe's recompute_context (as apply_ac does): the re-run marks itself
+    and adds nothing to the recorder; without it the re-run would record the layer a second time."""
     from torch.utils.checkpoint import checkpoint
 
     from lightning_moe.autograd import recompute_context
 
-    layer = _layer(**dict(SOFTMAX, z_loss_coeff=1e-3))
+    layer = _layer(**dict(SIGMOID, z_loss_coeff=1e-3))
     x = torch.randn(B, S, D, requires_grad=True)
-    y = checkpoint(layer, x, use_reentrant=False, context_fn=recompute_context)
-    aux, z, stats = layer.last_aux_loss, layer.last_z_loss, layer.last_stats
-    (y.sum() + aux + z).backward()  # recomputes the forward inside backward
-    assert layer.last_aux_loss is aux and layer.last_z_loss is z and layer.last_stats is stats
+    recorder = MoERecorder()
+    y = checkpoint(lambda t: layer(t, recorder=recorder), x, use_reentrant=False, context_fn=recompute_context)
+    (rec,) = recorder.records.values()
+    demand = rec.routing.bias_demand.clone()
+    (y.sum() + rec.aux_loss + rec.z_loss).backward()  # recomputes the forward inside backward
+    assert len(recorder.records) == 1 and recorder.records[0] is rec
+    assert torch.equal(rec.routing.bias_demand, demand)
     assert layer.router.weight.grad is not None
-    copy.deepcopy(layer)  # graph tensors are not copied
+    copy.deepcopy(layer)  # the layer holds no graph tensor
+
+    plain = MoERecorder()
+    y = checkpoint(lambda t: layer(t, recorder=plain), x, use_reentrant=False)  # no recompute_context
+    with pytest.raises(RuntimeError, match="recorded twice"):
+        y.sum().backward()

@@ -50,7 +50,7 @@ class GradRecorder(Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self.grads.append({_clean(n): _full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None})
-        self.losses.append(float(pl_module.last_step.loss))
+        self.losses.append(float(pl_module.step_result.loss))
 
 
 class HookOverrideModel(EquivalenceModel):
@@ -401,7 +401,7 @@ def test_a_step_without_valid_tokens_is_an_error_or_skipped(tmp_path):
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     with pytest.warns(UserWarning, match="the step is skipped"):
         L.Trainer(**kw).fit(module, data)
-    assert module.last_step.skipped and module.last_train_loss is None
+    assert module.step_result.skipped and module.last_train_loss is None
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
 
 

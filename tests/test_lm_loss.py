@@ -100,7 +100,7 @@ def test_model_forward_with_labels_equals_logits_loss(tie):
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    got = model(ids, labels_BS=labels, loss_impl="chunked")
+    got = model(ids, labels_BS=labels, loss_impl="chunked").loss_sum
     got.backward()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     for n, p in model.named_parameters():

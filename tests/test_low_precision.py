@@ -325,7 +325,7 @@ def _train(model, ids_list, world):
     n_total = sum(ids.numel() for ids in ids_list) * world
     losses = []
     for _ in range(STEPS):
-        local = sum(model(ids, labels_BS=ids) for ids in ids_list)  # summed token losses (labels: a copy task)
+        local = sum(model(ids, labels_BS=ids).loss_sum for ids in ids_list)  # summed token losses (labels: a copy task)
         (local / n_total).backward()
         total = local.detach().clone()
         if world > 1:
@@ -432,7 +432,7 @@ def _fsdp_fp8_worker(rank: int, world_size: int) -> dict:
         ids = tokens(cfg, seed=100 + rank)
         losses, scales = [], []
         for _ in range(STEPS):
-            local = model(ids, labels_BS=ids)
+            local = model(ids, labels_BS=ids).loss_sum
             (local / (ids.numel() * world_size)).backward()
             total = local.detach().clone()
             torch.distributed.all_reduce(total)

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.config import ModelConfig, YaRNScaling
+from lightning_moe.models.outputs import LMStepOutput
 from lightning_moe.models.transformer import FeedForward, MoETransformer
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.moe.record import MoERecorder
 
 GiB = 1 << 30
 
@@ -111,10 +113,12 @@ def _fwd_bwd(model: MoETransformer, B: int = 2, S: int = 16):
     cfg = model.config
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    logits = model(ids)
+    recorder = MoERecorder()
+    logits = model(ids, recorder=recorder)
     assert logits.shape == (B, S, cfg.vocab_size)
     assert torch.isfinite(logits).all()
-    aux, z = model.moe_losses()
+    aux = sum(r.aux_loss for r in recorder.records.values())
+    z = sum(r.z_loss for r in recorder.records.values())
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()) + aux + z
     assert torch.isfinite(loss)
     loss.backward()
@@ -221,11 +225,13 @@ def test_right_padding_matches_unpadded(kind):
     padded = ids.clone()
     padded[1, n:] = 0  # pad token id: any value
     with torch.no_grad():
-        out = model(padded, mask)
+        recorder = MoERecorder()
+        out = model(padded, mask, recorder=recorder)
         # padding tokens are routed nowhere: the MoE layers count only real tokens
-        for layer in model.moe_layers():
-            assert int(layer.last_stats["num_tokens"]) == S + n
-            assert int(layer.last_stats["tokens_per_expert"].sum()) == (S + n) * cfg.moe.top_k
+        assert len(recorder.records) == len(model.moe_layers())
+        for rec in recorder.records.values():
+            assert int(rec.routing.num_tokens) == S + n
+            assert int(rec.routing.tokens_per_expert.sum()) == (S + n) * cfg.moe.top_k
         short = model(ids[1:, :n])
         full = model(ids[:1])
     assert torch.isfinite(out).all()  # fully padded query rows stay finite
@@ -304,17 +310,28 @@ def test_first_k_dense_layout():
     # a dense model (num_experts=0) has no MoE layer and zero MoE losses
     dense = _build(_gqa(moe=dict(SMALL_MOE, num_experts=0)))
     assert dense.moe_layers() == []
-    dense(torch.zeros(1, 4, dtype=torch.long))
-    aux, z = dense.moe_losses()
-    assert float(aux) == 0.0 and float(z) == 0.0
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    out = dense(ids, labels_BS=ids)
+    assert out.moe == {} and float(out.aux_loss) == 0.0 and float(out.z_loss) == 0.0
 
 
-def test_moe_losses_sum_layers():
+def test_step_output_sums_the_layers_records():
+    """The training forward's LMStepOutput: the loss sum and valid labels, and one record per MoE layer whose
+    losses are the layers' own (the same numbers as a logits forward with a recorder) and sum into aux / z."""
     model = _build(_gqa(num_layers=3, moe=dict(SMALL_MOE, first_k_dense=0)))
-    model(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)))
-    aux, z = model.moe_losses()
-    layers = model.moe_layers()
-    assert len(layers) == 3
-    torch.testing.assert_close(aux, sum(l.last_aux_loss for l in layers))
-    torch.testing.assert_close(z, sum(l.last_z_loss for l in layers))
-    assert aux.item() > 0 and z.item() > 0
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out = model(ids, labels_BS=labels, loss_impl="torch")
+    assert isinstance(out, LMStepOutput)
+    assert sorted(out.moe) == [0, 1, 2] and int(out.num_tokens) == 2 * 8 - 3
+    logits = model(ids)
+    torch.testing.assert_close(out.loss_sum, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+    torch.testing.assert_close(out.aux_loss, sum(r.aux_loss for r in out.moe.values()))
+    torch.testing.assert_close(out.z_loss, sum(r.z_loss for r in out.moe.values()))
+    assert out.aux_loss.item() > 0 and out.z_loss.item() > 0 and out.aux_loss.requires_grad
+    recorder = MoERecorder()
+    model(ids, recorder=recorder)
+    for i, rec in out.moe.items():
+        torch.testing.assert_close(rec.aux_loss, recorder.records[i].aux_loss)
+        assert torch.equal(rec.routing.tokens_per_expert, recorder.records[i].routing.tokens_per_expert)

@@ -21,6 +21,7 @@ from lightning_moe.moe import kernels
 from lightning_moe.moe.dispatch.rows import _PermuteRows, _UnpermuteRows
 from lightning_moe.moe import experts as experts_mod
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.moe.record import MoERecorder
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -292,8 +293,9 @@ def test_layer_triton_matches_torch(monkeypatch, cfg):
         layer.replan(regather_rows=regather)
         layer.zero_grad()
         (xi,) = _leaves(x)
-        y = layer(xi)
-        (y.square().sum() + layer.last_aux_loss).backward()
+        recorder = MoERecorder()
+        y = layer(xi, recorder=recorder)
+        (y.square().sum() + recorder.records[0].aux_loss).backward()
         results[name, regather] = [y, xi.grad] + [p.grad.clone() for p in layer.parameters()]
     # the combine weights go into the experts' SwiGLU: combine is a plain k-sum, its backward a gather
     assert used - {"INTERPRET"} == {"k_sum_kernel", "gather_rows_kernel", "swiglu_probs_fwd_kernel",

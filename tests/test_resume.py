@@ -205,7 +205,7 @@ class Record(Callback):
         self.positions.append((trainer.current_epoch, batch_idx))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self.losses.append(float(pl_module.last_step.loss))
+        self.losses.append(float(pl_module.step_result.loss))
 
 
 class _BeforeTheFix(TextDataModule):

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from lightning_moe.autograd import recompute_context
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.router import RoutingResult, TopKRouter
 
@@ -445,8 +444,8 @@ def test_meta_device_construction_and_reset():
     assert r.weight.dtype == torch.float32 and r.weight.shape == (16, 64)
     assert 0.015 < r.weight.std().item() < 0.025
     assert torch.equal(r.expert_bias, torch.zeros(16)) and r.expert_bias.dtype == torch.float32
-    assert torch.equal(r.bias_counts, torch.zeros(16, dtype=torch.long))
-    assert set(r.state_dict()) == {"weight", "expert_bias"}  # counts are not persistent
+    assert set(r.state_dict()) == {"weight", "expert_bias"}
+    assert set(dict(r.named_buffers())) == {"expert_bias"}  # no count kept: forwards return their demand
     assert r.token_group is None and r.global_group is None
     assert set(make().state_dict()) == {"weight"}
 
@@ -469,39 +468,36 @@ def test_bias_update_over_two_micro_batches():
             if mask[t]:
                 for i in ids:
                     expected[i] += 1
-    assert torch.equal(r.bias_counts, expected)  # both micro-batches, padding excluded
+    demand = o1.bias_demand + o2.bias_demand
+    assert demand.dtype == torch.long and torch.equal(demand, expected)  # both micro-batches, padding excluded
     assert torch.equal(r.expert_bias, torch.zeros(4))  # no update before the step
-    r.update_expert_bias()
+    r.update_expert_bias(demand)
     mean = expected.sum().item() / 4
     ref = [rate * ((mean > n) - (mean < n)) for n in expected.tolist()]
     assert torch.equal(r.expert_bias, torch.tensor(ref, dtype=torch.float32))  # fp32, bit-exact
     assert r.expert_bias.dtype == torch.float32
-    assert torch.equal(r.bias_counts, torch.zeros(4, dtype=torch.long))
-    # eval forwards do not count; an update without counts changes nothing
+    # eval forwards report no demand; balanced counts change nothing
     r.eval()
-    r(x1)
-    assert r.bias_counts.sum().item() == 0
+    assert r(x1).bias_demand is None
     before = r.expert_bias.clone()
-    r.update_expert_bias()
+    r.update_expert_bias(torch.full((4,), 3, dtype=torch.long))
     assert torch.equal(r.expert_bias, before)
-    make().update_expert_bias()  # no-op without expert bias
+    r.train()
+    assert make().train()(x1).bias_demand is None  # no expert bias: no demand
+    make().update_expert_bias(expected)  # no-op without expert bias
 
 
-def test_bias_counts_before_capacity_and_not_recounted_under_checkpoint():
+def test_bias_demand_before_capacity():
+    """The demand is the biased choice before capacity. (That a checkpoint's re-run counts nothing twice is the
+    recorder's guard: tests/test_layer.py::test_checkpoint_recompute_records_once.)"""
     r = make(num_experts=2, top_k=1, score_func="sigmoid", expert_bias=True, capacity_factor=0.5)
     r.train()
     out = r.route(torch.tensor([[1.0, 0.0]] * 4))  # all 4 choose expert 0; C = 1
     assert out.tokens_per_expert.tolist() == [1, 0]
-    assert r.bias_counts.tolist() == [4, 0]  # demand, not the capacity-clipped count
-    r.bias_counts.zero_()
-    x = torch.randn(6, 8, requires_grad=True)
-    # a checkpoint that passes recompute_context (every one lightning_moe builds does) marks its re-run; without it
-    # the re-run is a forward like any other (docs/memory.md): the mark, not a probe of the autograd engine, decides
-    for context_fn, counted in ((recompute_context, 6), (torch.utils.checkpoint.noop_context_fn, 12)):
-        before = r.bias_counts.clone()
-        res = torch.utils.checkpoint.checkpoint(lambda t: r(t).probs, x, use_reentrant=False, context_fn=context_fn)
-        res.sum().backward()  # recomputes the forward inside backward
-        assert (r.bias_counts - before).sum().item() == counted, context_fn
+    assert out.bias_demand.tolist() == [4, 0]  # demand, not the capacity-clipped count
+    with torch.no_grad():
+        r.expert_bias.copy_(torch.tensor([-2.0, 0.0]))  # the bias moves the choice, and the demand with it
+    assert r.route(torch.tensor([[1.0, 0.0]] * 4)).bias_demand.tolist() == [0, 4]
 
 
 def test_route_rejects_bad_shapes():
@@ -545,10 +541,10 @@ def _two_rank_seam(rank, world_size):
     # bias counts summed over ranks: every rank gets the bias of the full batch, bitwise
     r.train()
     ref.train()
-    r.route(logits[rows], valid[rows], seq_len=half)
-    ref.route(logits, valid, seq_len=S)
-    r.update_expert_bias()
-    ref.update_expert_bias()
+    demand = r.route(logits[rows], valid[rows], seq_len=half).bias_demand.clone()
+    dist.all_reduce(demand)  # as the step's finalisation does, in its one routing all-reduce
+    r.update_expert_bias(demand)
+    ref.update_expert_bias(ref.route(logits, valid, seq_len=S).bias_demand)
     assert torch.equal(r.expert_bias, ref.expert_bias) and ref.expert_bias.abs().sum() > 0
     gathered = [torch.zeros(E) for _ in range(world_size)]
     dist.all_gather(gathered, r.expert_bias)

@@ -1,8 +1,9 @@
 """LoadBalanceMonitor: routing health of every MoE layer in any Lightning logger (plus W&B / TensorBoard heatmaps
 and a JSONL file of raw counts).
 
-Each finalised optimizer step's routing statistics (:class:`~lightning_moe.parallel.finalize.StepResult`; already
-summed over every rank routing distinct tokens and over the step's micro-batches, identical on every rank) are added
+Each finalised optimizer step's routing records (the module's ``step_result``, a
+:class:`~lightning_moe.step.StepResult` whose ``routing`` holds one :class:`~lightning_moe.moe.record.RoutingRecord`
+per MoE layer, the typed record the model's forward produced; already summed over every rank routing distinct tokens and over the step's micro-batches, identical on every rank) are added
 to window sums kept on the device: no host sync on steps that do not log. Every ``log_every_n_steps`` optimizer steps
 rank 0 moves the window to the host once, computes the metrics (:mod:`lightning_moe.callbacks.routing_metrics`) and
 hands them to every logger; no collective is issued.
@@ -121,7 +122,7 @@ class LoadBalanceMonitor(L.Callback):
         self._window_LC: Optional[Tensor] = None  # float64 sums on the device
         self._window_steps = 0
         self._window_micro_batches = 0
-        self._last_step = -1
+        self._window_end = -1  # the step index of the window's last step
         self._last_result: Any = None
         self._warned_pillow = False
         self.run_id: Optional[str] = None  # set when training starts; the "run" of the JSONL lines
@@ -143,8 +144,8 @@ class LoadBalanceMonitor(L.Callback):
             rank_zero_warn("LoadBalanceMonitor: the model has no MoE layer; nothing will be logged")
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        # runs after the strategy's gradient finalisation, so pl_module.last_step is this step's global result
-        result = pl_module.last_step
+        # runs after the gradient finalisation, so the module's step_result is this step's global result
+        result = pl_module.step_result
         if not trainer.is_global_zero or not self._layer_ids or result is None or result is self._last_result:
             return
         self._last_result = result
@@ -158,13 +159,13 @@ class LoadBalanceMonitor(L.Callback):
             self._window_LC.add_(step_LC)
         self._window_steps += 1
         self._window_micro_batches += result.num_micro_batches
-        self._last_step = step = trainer.global_step  # this step's index; Lightning logs its train_loss there
+        self._window_end = step = trainer.global_step  # this step's index; Lightning logs its train_loss there
         if (step + 1) % self.log_every_n_steps == 0:
             self._log_window(trainer, pl_module, step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.log_on_train_end and trainer.is_global_zero and self._window_steps > 0:
-            self._log_window(trainer, pl_module, self._last_step)
+            self._log_window(trainer, pl_module, self._window_end)
 
     # ---- logging (rank 0, log steps only) ---------------------------------------------------------------------------
     def _reset_window(self) -> None:

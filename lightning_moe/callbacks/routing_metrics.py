@@ -13,17 +13,17 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_moe.parallel.finalize import ROUTING_SCALARS
+from lightning_moe.moe.record import ROUTING_SCALARS
 
 __all__ = ["SCALARS", "pack_step", "window_metrics", "load_heatmap"]
 
-#: the per-layer scalars packed after the E expert counts (LayerRouting's): num_dropped, num_tokens, aux_loss, z_loss,
+#: the per-layer scalars packed after the E expert counts (RoutingRecord's): num_dropped, num_tokens, aux_loss, z_loss,
 #: entropy; summed over the window (losses: over micro-batches; entropy: over valid tokens)
 SCALARS = ROUTING_SCALARS
 
 
 def pack_step(routing: dict) -> Tensor:
-    """One step's :class:`LayerRouting` of every layer as a [L, C] fp32 tensor on their device (no host sync)."""
+    """One step's :class:`~lightning_moe.moe.record.RoutingRecord` of every layer as a [L, C] fp32 tensor on their device (no host sync)."""
     rows = [torch.cat([r.tokens_per_expert.reshape(-1).float(), torch.stack([getattr(r, s).float() for s in SCALARS])])
             for r in routing.values()]
     return torch.stack(rows)

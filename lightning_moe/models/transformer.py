@@ -15,7 +15,7 @@ L cached slots, R MLA kv latent rank, P MLA rope head dim.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,10 @@ from lightning_moe.config import ModelConfig, YaRNScaling
 from lightning_moe.models import registry
 from lightning_moe.models.document_mask import DocumentMask, document_ids
 from lightning_moe.models.heads import expand_kv
-from lightning_moe.models.lm_loss import linear_cross_entropy, token_loss_sum
+from lightning_moe.models.lm_loss import IGNORE_INDEX, linear_cross_entropy, token_loss_sum
+from lightning_moe.models.outputs import LMStepOutput
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.moe.record import MoERecorder
 
 
 class RMSNorm(nn.Module):
@@ -405,15 +407,19 @@ class TransformerBlock(nn.Module):
             self.feed_forward = registry.build("mlp", cfg.mlp, cfg.hidden_size, cfg.dense_hidden_size)
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor], padding_mask_BS: Optional[Tensor],
-                cache: Optional[KVCache] = None) -> Tensor:
+                cache: Optional[KVCache] = None, recorder: Optional[MoERecorder] = None) -> Tensor:
         """``mask``: the attention's mask (see :meth:`Attention.forward`); ``padding_mask_BS``: the MoE layer's
-        (True = real token)."""
+        (True = real token); ``recorder``: receives the MoE layer's losses and routing record (see
+        :class:`~lightning_moe.moe.record.MoERecorder`)."""
         if cache is None:
             h = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S, mask)
         else:
             h = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S, mask, cache=cache.layer(self.layer_idx))
         ffn_in = self.ffn_norm(h)
-        out = self.moe(ffn_in, padding_mask_BS) if self.is_moe else self.feed_forward(ffn_in)
+        if self.is_moe:
+            out = self.moe(ffn_in, padding_mask_BS, recorder=recorder, layer_idx=self.layer_idx)
+        else:
+            out = self.feed_forward(ffn_in)
         return h + out
 
 
@@ -428,8 +434,9 @@ def check_components(cfg: ModelConfig) -> None:
 
 
 class MoETransformer(nn.Module):
-    """Decoder LM. ``forward(input_ids_BS, attention_mask_BS=None) -> logits_BSV`` (in the activation dtype).
-    Aux and z losses of the MoE layers of the last forward are summed by ``moe_losses()``."""
+    """Decoder LM. ``forward(input_ids_BS, attention_mask_BS=None) -> logits_BSV`` (in the activation dtype);
+    with ``labels_BS`` it returns the step's :class:`~lightning_moe.models.outputs.LMStepOutput` (token-loss sum,
+    valid-token count, each MoE layer's losses and routing record). The model keeps no per-forward state."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -469,55 +476,59 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """Rebuild the state no checkpoint carries (non-persistent buffers): RoPE tables and the expert-bias demand
-        counts. After ``to_empty`` plus loading weights from elsewhere (a checkpoint, Hugging Face, upcycling)."""
+        """Rebuild the state no checkpoint carries (non-persistent buffers): the RoPE tables. After ``to_empty``
+        plus loading weights from elsewhere (a checkpoint, Hugging Face, upcycling)."""
         for module in self.modules():
             if isinstance(module, RotaryEmbedding):
                 module.reset_parameters()
-            counts = getattr(module, "bias_counts", None)
-            if isinstance(counts, Tensor) and not counts.is_meta:
-                counts.zero_()
 
     def moe_layers(self) -> list[MoELayer]:
         return [blk.moe for blk in self.layers.values() if blk.is_moe]
 
-    def moe_losses(self) -> tuple[Tensor, Tensor]:
-        """(sum of aux losses, sum of z losses) over MoE layers from the last forward (with grad)."""
-        aux = z = None
-        for layer in self.moe_layers():
-            a, zz = layer.last_aux_loss, layer.last_z_loss
-            aux = a if aux is None else aux + a
-            z = zz if z is None else z + zz
-        zero = self.norm.weight.new_zeros((), dtype=torch.float32)
-        return (zero if aux is None else aux), (zero if z is None else z)
+    @torch.no_grad()
+    def update_expert_bias(self, bias_demand: dict[int, Tensor]) -> None:
+        """The step's expert-bias update: ``bias_demand`` maps an MoE layer's index to its demand [E], summed over
+        the step's micro-batches and every rank routing distinct tokens (the gradient finalisation's
+        ``update_expert_bias`` argument)."""
+        for idx, counts_E in bias_demand.items():
+            self.layers[str(idx)].moe.router.update_expert_bias(counts_E)
 
     def forward(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
                 positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None,
                 labels_BS: Optional[Tensor] = None, loss_impl: str = "auto",
-                position_ids_BS: Optional[Tensor] = None) -> Tensor:
+                position_ids_BS: Optional[Tensor] = None,
+                recorder: Optional[MoERecorder] = None) -> Union[Tensor, LMStepOutput]:
         """``positions_S``: [S] (default arange) or, on one process, [B, S] per-sequence positions. ``cache``:
         incremental decoding (see :class:`KVCache`; positions then follow the cache and must be None).
         ``position_ids_BS``: packed documents (:mod:`lightning_moe.models.document_mask`): positions [B, S] that
         restart at 0 at each document start; they rotate q/k and make attention block-causal per document, while
         ``positions_S`` stay the tokens' global indices (context parallelism's order).
 
-        Returns logits [B, S, V]; with ``labels_BS`` (-100 = ignored) instead the sum of the token cross-entropies,
-        an fp32 scalar, computed without holding the [B*S, V] logits where ``loss_impl`` allows (see
-        :mod:`lightning_moe.models.lm_loss`). The loss is taken inside ``forward`` so that FSDP's root hooks hold
-        the output weight gathered while it is used."""
+        Returns logits [B, S, V] (``recorder``: receives the MoE layers' records, see
+        :class:`~lightning_moe.moe.record.MoERecorder`); with ``labels_BS`` (-100 = ignored) instead an
+        :class:`~lightning_moe.models.outputs.LMStepOutput`: the sum of the token cross-entropies (an fp32 scalar,
+        computed without holding the [B*S, V] logits where ``loss_impl`` allows, see
+        :mod:`lightning_moe.models.lm_loss`), the valid labels, and each MoE layer's losses and routing record.
+        The loss is taken inside ``forward`` so that FSDP's root hooks hold the output weight gathered while it is
+        used."""
+        if labels_BS is not None and recorder is None:
+            recorder = MoERecorder()
         h_BSD = self.hidden_states(input_ids_BS, attention_mask_BS, positions_S, cache=cache,
-                                   position_ids_BS=position_ids_BS)
+                                   position_ids_BS=position_ids_BS, recorder=recorder)
         if labels_BS is None:
             return self.logits(h_BSD)
+        assert recorder is not None
         w_VD = self.tok_embeddings.weight if self.output is None else self.output.weight
         if isinstance(w_VD, DTensor) or isinstance(h_BSD, DTensor):
             # a tensor-parallel output projection: its own forward (the plan's gathers), then the reference loss
-            return token_loss_sum(self.logits(h_BSD).flatten(0, 1), labels_BS.flatten())
-        return linear_cross_entropy(h_BSD.flatten(0, 1), w_VD.to(h_BSD.dtype), labels_BS.flatten(), loss_impl)
+            loss_sum = token_loss_sum(self.logits(h_BSD).flatten(0, 1), labels_BS.flatten())
+        else:
+            loss_sum = linear_cross_entropy(h_BSD.flatten(0, 1), w_VD.to(h_BSD.dtype), labels_BS.flatten(), loss_impl)
+        return LMStepOutput(loss_sum, (labels_BS != IGNORE_INDEX).sum(), recorder.records)
 
     def hidden_states(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
                       positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None,
-                      position_ids_BS: Optional[Tensor] = None) -> Tensor:
+                      position_ids_BS: Optional[Tensor] = None, recorder: Optional[MoERecorder] = None) -> Tensor:
         if cache is not None:
             if position_ids_BS is not None:
                 raise ValueError("with a KV cache the positions follow the cache: pass position_ids_BS=None")
@@ -542,7 +553,7 @@ class MoETransformer(nn.Module):
         h = self.tok_embeddings(input_ids_BS)
         for block in self.layers.values():
             # the attention masks padding keys (core attention builds the causal mask), the MoE routes no padding
-            h = block(h, rope_positions, attn_mask, padding_mask)
+            h = block(h, rope_positions, attn_mask, padding_mask, recorder=recorder)
         return self.norm(h)
 
     def _hidden_states_cached(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor],

@@ -9,46 +9,23 @@ turns the expert weights into DTensors; nothing here looks up a process group. T
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_moe.autograd import in_recomputation
 from lightning_moe.config import MoEConfig
 from lightning_moe.models.registry import build
 from lightning_moe.moe import experts as _experts  # noqa: F401  (registers the built-in experts this layer builds)
 from lightning_moe.moe.dispatch import LocalDispatcher, TokenDispatcher
 from lightning_moe.moe.grouped_mm import GroupedMM
 from lightning_moe.moe.layer_plan import MoELayerPlan, PlanOptions, make_plan
+from lightning_moe.moe.record import MoERecord, MoERecorder, RoutingRecord
 from lightning_moe.moe.router import RoutingResult
 
-__all__ = ["MoELayer", "RoutingStats"]
+__all__ = ["MoELayer"]
 
 _PLANNED = ("dispatcher", "regather_rows", "overlap_shared_experts")  # instance attributes the plan owns
-
-
-@dataclass
-class RoutingStats:
-    """Routing of the training forwards of this process since the last :meth:`MoELayer.pop_routing_stats`:
-    kept assignments per expert [E] (int64), assignments of valid tokens dropped by capacity, valid tokens routed,
-    the sums of the (rank-partial, coefficient applied) aux and z losses, and the sum over valid tokens of the
-    entropy (nats) of the router's score distribution over all E experts (softmax scores, or for sigmoid scoring the
-    scores normalised to sum to 1; NaN when the router reports no scores), detached fp32."""
-
-    tokens_per_expert: Tensor
-    num_dropped: Tensor
-    num_tokens: Tensor
-    aux_loss: Tensor
-    z_loss: Tensor
-    entropy: Tensor
-
-    def __add__(self, other: "RoutingStats") -> "RoutingStats":
-        return RoutingStats(*(a + b for a, b in zip(self._fields(), other._fields())))
-
-    def _fields(self) -> tuple[Tensor, ...]:
-        return (self.tokens_per_expert, self.num_dropped, self.num_tokens, self.aux_loss, self.z_loss, self.entropy)
 
 
 @torch.no_grad()
@@ -72,14 +49,12 @@ class MoELayer(nn.Module):
         hidden_size: D.
         init_std / out_init_std: normal-init stds of the expert and shared-expert input / output projections.
 
-    After each forward:
-        ``last_aux_loss``, ``last_z_loss``: fp32 scalars attached to the graph (coefficients applied), for the
-            model to add to the objective.
-        ``last_stats``: detached tensors for monitoring: ``tokens_per_expert`` [E] int64 (kept assignments on
-            this process), ``num_dropped`` (assignments of valid tokens dropped by capacity), ``num_tokens``
-            (real, i.e. non-padding, tokens on this process).
-        Training forwards also add to the statistics :meth:`pop_routing_stats` returns (once per optimizer step).
-        Forwards re-run by activation checkpointing (inside backward) leave all of these untouched.
+    The forward returns the output only; its losses and routing numbers go to the
+    :class:`~lightning_moe.moe.record.MoERecorder` the caller passes (``recorder=``, under ``layer_idx``): an
+    :class:`~lightning_moe.moe.record.MoERecord` with the aux and z losses (fp32 scalars attached to the graph,
+    coefficients applied) and a detached :class:`~lightning_moe.moe.record.RoutingRecord` (kept assignments per
+    expert, dropped assignments, valid tokens, entropy and, training with expert bias, the bias demand) of this
+    process. The layer keeps no per-forward state; forwards re-run by activation checkpointing record nothing.
 
     ``plan`` (:class:`~lightning_moe.moe.layer_plan.MoELayerPlan`): the dispatcher, grouped GEMM and combine path,
     decided when the layer is built and again by :meth:`replan` (parallelize, model transforms); options:
@@ -130,18 +105,6 @@ class MoELayer(nn.Module):
             has_shared_experts=self.shared_experts is not None,
             options=PlanOptions(regather_rows=type(self).regather_rows,
                                 overlap_shared_experts=type(self).overlap_shared_experts))
-        self.last_aux_loss: Optional[Tensor] = None
-        self.last_z_loss: Optional[Tensor] = None
-        self.last_stats: dict[str, Tensor] = {}
-        self._routing_stats: Optional[RoutingStats] = None
-
-    def __getstate__(self) -> dict:
-        # the last losses are graph tensors (not deep-copyable or picklable) and only live for one step
-        state = super().__getstate__()
-        state["last_aux_loss"] = None
-        state["last_z_loss"] = None
-        state["_routing_stats"] = None
-        return state
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _PLANNED:  # the plan decides these once: a plain assignment would silently change nothing
@@ -177,9 +140,12 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, top_k={self.top_k}, plan={self.plan}"
 
-    def forward(self, x_BSD: Tensor, padding_mask_BS: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x_BSD: Tensor, padding_mask_BS: Optional[Tensor] = None, *,
+                recorder: Optional[MoERecorder] = None, layer_idx: int = 0) -> Tensor:
         """``padding_mask_BS``: bool [B, S], True = real token, False = padding (the router's convention; padding
-        tokens are routed nowhere and get zero routed output; shared experts still see them). None = all real."""
+        tokens are routed nowhere and get zero routed output; shared experts still see them). None = all real.
+        ``recorder``: receives this forward's :class:`~lightning_moe.moe.record.MoERecord` under ``layer_idx``
+        (None: the losses and routing numbers are not wanted, e.g. in generation)."""
         if x_BSD.dim() != 3 or x_BSD.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer expects x of shape [B, S, {self.hidden_size}], got {tuple(x_BSD.shape)}")
         B, S, D = x_BSD.shape
@@ -191,7 +157,8 @@ class MoELayer(nn.Module):
         valid_T = padding_mask_BS.reshape(B * S) if padding_mask_BS is not None else None
 
         routing: RoutingResult = self.router(x_TD, valid_T, seq_len=S)
-        self._record(routing, valid_T, B * S, x_TD.device)
+        if recorder is not None:
+            recorder.add(layer_idx, self._record(routing, valid_T, B * S, x_TD.device))
         plan = self.plan
         weights_by = plan.weights_applied_by
         shared_TD: list[Tensor] = []  # the shared experts' output when the dispatch overlapped them
@@ -223,40 +190,12 @@ class MoELayer(nn.Module):
         return y_TD.to(x_BSD.dtype).reshape(B, S, D)
 
     @torch.no_grad()
-    def _num_valid(self, valid_T: Optional[Tensor], T: int, device: torch.device) -> Tensor:
-        if valid_T is None:
-            return torch.tensor(T, dtype=torch.int64, device=device)
-        return valid_T.bool().sum()
-
-    def pop_routing_stats(self) -> RoutingStats:
-        """The statistics of the training forwards since the last call (zeros if none), and reset them."""
-        st = self._routing_stats
-        self._routing_stats = None
-        if st is not None:
-            return st
-        dev = self.router.weight.device
-        zero_i, zero_f = torch.zeros((), dtype=torch.int64, device=dev), torch.zeros((), device=dev)
-        return RoutingStats(torch.zeros(self.num_experts, dtype=torch.int64, device=dev), zero_i, zero_i, zero_f,
-                            zero_f, zero_f)
-
-    def _record(self, routing: RoutingResult, valid_T: Optional[Tensor], T: int, device: torch.device) -> None:
-        if in_recomputation():
-            # activation-checkpoint recomputation: the losses were already taken from the original forward
-            return
-        self.last_aux_loss = routing.aux_loss
-        self.last_z_loss = routing.z_loss
+    def _record(self, routing: RoutingResult, valid_T: Optional[Tensor], T: int, device: torch.device) -> MoERecord:
         tpe = routing.tokens_per_expert.detach()
-        dropped = (
-            routing.num_dropped.detach()
-            if routing.num_dropped is not None
-            else torch.zeros((), dtype=torch.int64, device=tpe.device)
-        )
-        self.last_stats = {
-            "tokens_per_expert": tpe,
-            "num_dropped": dropped,
-            "num_tokens": self._num_valid(valid_T, T, device),
-        }
-        if self.training:
-            st = RoutingStats(tpe, dropped, self.last_stats["num_tokens"], routing.aux_loss.detach().float(),
-                              routing.z_loss.detach().float(), _entropy_sum(routing.scores, valid_T, device))
-            self._routing_stats = st if self._routing_stats is None else self._routing_stats + st
+        dropped = (routing.num_dropped.detach() if routing.num_dropped is not None
+                   else torch.zeros((), dtype=torch.int64, device=tpe.device))
+        num_tokens = torch.tensor(T, dtype=torch.int64, device=device) if valid_T is None else valid_T.bool().sum()
+        stats = RoutingRecord(tpe, dropped, num_tokens, routing.aux_loss.detach().float(),
+                              routing.z_loss.detach().float(), _entropy_sum(routing.scores, valid_T, device),
+                              routing.bias_demand)
+        return MoERecord(routing.aux_loss, routing.z_loss, stats)

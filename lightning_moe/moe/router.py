@@ -16,7 +16,6 @@ import torch
 import torch.utils._pytree
 from torch import Tensor, nn
 
-from lightning_moe.autograd import in_recomputation
 from lightning_moe.config import MoEConfig
 from lightning_moe.models import registry
 from lightning_moe.moe.losses import (
@@ -50,6 +49,8 @@ class RoutingResult:
     capacity: per-expert capacity in capacity mode, else None.
     num_dropped: int64 scalar, assignments of valid tokens dropped by capacity (None in dropless mode).
     scores: [T, E] fp32 normalised scores over all experts (monitoring; no bias).
+    bias_demand: [E] int64 expert-bias demand of a training forward: assignments of the actual (biased,
+        group-limited) choice of valid tokens before capacity dropping; None without expert bias or in eval mode.
     """
 
     probs: Tensor
@@ -61,6 +62,7 @@ class RoutingResult:
     capacity: Optional[int] = None
     num_dropped: Optional[Tensor] = None
     scores: Optional[Tensor] = None
+    bias_demand: Optional[Tensor] = None
 
 
 # A pytree node, so that module hooks that walk outputs (FSDP2's pre-backward hook, activation checkpointing) see its
@@ -145,16 +147,15 @@ class TopKRouter(nn.Module):
       to the loss of the data shard's micro-batch; each data shard's loss is then divided by
       ``num_data_shards`` (a mean over data shards, Megatron's definition).
     - ``global_group``: every rank routing distinct tokens (dp x cp x tp). The "global" aux counts and
-      normaliser, the z-loss's token normaliser, and the expert-bias counts in :meth:`update_expert_bias`, are
-      summed over it: the partial "global" aux and z losses of all ranks add up to the loss of the whole
+      normaliser and the z-loss's token normaliser are summed over it (and the expert-bias demand, by the step's
+      gradient finalisation, before :meth:`update_expert_bias`): the partial "global" aux and z losses of all ranks add up to the loss of the whole
       global micro-batch, exactly one process's on the same tokens.
 
     Expert bias (``config.expert_bias``): ``expert_bias`` [E] fp32 persistent buffer, added to the scores
-    for the choice only. ``bias_counts`` [E] int64 non-persistent buffer accumulates, during training
-    forwards, the assignments of the actual (biased, group-limited) choice of valid tokens *before*
-    capacity dropping (the demand on each expert, which capacity would clip). It is int64 rather than fp32
-    so counts stay exact and survive ``module.to(torch.bfloat16)``. Forwards run by the autograd engine
-    (activation-checkpoint recomputation) are not counted again.
+    for the choice only. A training forward returns the demand on each expert (``RoutingResult.bias_demand``:
+    the assignments of the actual, biased and group-limited, choice of valid tokens *before* capacity dropping,
+    which capacity would clip), int64 so counts stay exact; the router keeps no count itself. The step's demand,
+    summed over micro-batches and ranks, comes back through :meth:`update_expert_bias`.
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, init_std: float = 0.02) -> None:
@@ -171,10 +172,8 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_experts, hidden_size, dtype=torch.float32))
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-            self.register_buffer("bias_counts", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
         else:
             self.register_buffer("expert_bias", None)
-            self.register_buffer("bias_counts", None, persistent=False)
         self.token_group: ReductionGroup = None
         self.global_group: ReductionGroup = None
         # data shards whose per-micro-batch "aux"/"seq" losses are averaged (each rank's partial is divided by it);
@@ -204,7 +203,6 @@ class TopKRouter(nn.Module):
         if self.expert_bias is not None:
             with torch.no_grad():
                 self.expert_bias.zero_()
-                self.bias_counts.zero_()
 
     def extra_repr(self) -> str:
         c = self.config
@@ -283,10 +281,11 @@ class TopKRouter(nn.Module):
         if cfg.scaling_factor is not None:
             probs_TK = probs_TK * cfg.scaling_factor
 
-        # expert-bias demand counts (training only; not again under checkpoint recomputation)
-        if self.bias_counts is not None and self.training and not in_recomputation():
+        # expert-bias demand (training only): returned, summed over the step by its finalisation
+        bias_demand: Optional[Tensor] = None
+        if self.expert_bias is not None and self.training:
             with torch.no_grad():
-                self.bias_counts.add_(expert_counts(ids_TK, E, valid_T).to(self.bias_counts.device))
+                bias_demand = expert_counts(ids_TK, E, valid_T)
 
         # capacity / padding
         keep_TK: Optional[Tensor] = None
@@ -318,6 +317,7 @@ class TopKRouter(nn.Module):
             capacity=capacity,
             num_dropped=num_dropped,
             scores=norm_scores_TE.detach(),
+            bias_demand=bias_demand,
         )
 
     def _losses(
@@ -368,16 +368,12 @@ class TopKRouter(nn.Module):
 
     # ---- aux-loss-free balancing ----------------------------------------------------------------------
     @torch.no_grad()
-    def update_expert_bias(self, counts_E: Optional[Tensor] = None) -> None:
-        """Once per optimizer step: ``b_i += rate * sign(mean(n) - n_i)`` with the step's counts ``n`` summed
-        over ``global_group`` (all micro-batches, all ranks), then reset the counts. No-op without
-        expert bias. ``counts_E``: the step's counts already summed over every rank (the strategy's gradient
-        finalisation packs them into its one routing all-reduce); None = sum ``bias_counts`` over
-        ``global_group`` here (collective: every rank must call it)."""
+    def update_expert_bias(self, counts_E: Tensor) -> None:
+        """Once per optimizer step: ``b_i += rate * sign(mean(n) - n_i)`` with ``counts_E`` = n, the step's
+        ``bias_demand`` summed over every micro-batch and every rank routing distinct tokens (the gradient
+        finalisation packs it into its one routing all-reduce), so the bias stays bitwise identical on every rank.
+        No-op without expert bias."""
         if self.expert_bias is None:
             return
-        if counts_E is None:
-            counts_E = _sum_over(self.bias_counts, self.global_group)
         new_bias = expert_bias_update(self.expert_bias, counts_E, self.config.bias_update_rate)
         self.expert_bias.copy_(new_bias)
-        self.bias_counts.zero_()

@@ -6,8 +6,9 @@ batch view (dp_replicate x dp_shard). Besides Lightning's strategy duties (proce
 checkpoint IO) it owns what makes MoE training exact under every layout:
 
 * the layout (``parallelize_model``, run by the module's build pipeline after the model transforms);
-* gradient finalisation (tp sync, 1/N token normalisation, routing reductions, expert-bias update) in
-  :meth:`optimizer_step`, between the last backward and any ``on_before_optimizer_step`` hook;
+* gradient finalisation (tp sync, 1/N token normalisation, routing reductions, expert-bias update) through ONE
+  hook, :meth:`finalize_step`: the module calls it with the step's record between the last backward and any
+  ``on_before_optimizer_step`` hook, and the strategy adds only its layout's groups (it never reads the module);
 * layout checks: sizes at Trainer construction, the model at setup, the batch at the first step, each a
   ValueError naming the fix, before any collective runs on bad sizes;
 * checkpoints through torch.distributed.checkpoint with layout-independent keys (parameter names, global shapes)
@@ -22,7 +23,6 @@ import atexit
 import os
 from contextlib import contextmanager
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping, Optional, Union
 
@@ -43,10 +43,11 @@ from lightning_moe.checkpoint.format import META_FILE
 from lightning_moe.checkpoint.optimizer_state import check_shapes, is_by_name, regroup
 from lightning_moe.checkpoint.publish import new_staging_dir, publish, remove, resolve
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.finalize import StepResult, finalize_module_step, finalizing_closure
+from lightning_moe.parallel.finalize import finalize_step
 from lightning_moe.parallel.compile import resolve_compile
 from lightning_moe.parallel.layout import check_recompute_num_layers, parse_activation_checkpointing
 from lightning_moe.parallel.parallelize import DISPATCHERS, check_fsdp_dtypes, parallelize
+from lightning_moe.step import StepRecord, StepResult
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -169,6 +170,7 @@ class MoEParallelStrategy(ParallelStrategy):
         self._parallel_dims: Optional[ParallelDims] = None
         self._tp_sync_modules: list[nn.Module] = []
         self._batch_checked = False
+        self._finalized_steps = 0  # finalize_step calls: optimizer_step checks that each step made one
 
     # ---- Lightning's strategy contract -------------------------------------------------------------------
     @property
@@ -421,23 +423,36 @@ class MoEParallelStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", nn.Module]] = None, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        out = super().optimizer_step(optimizer, finalizing_closure(closure, partial(self.finalize_gradients, module)),
-                                     model, **kwargs)
+        finalized_before = self._finalized_steps
+
+        def checked_closure() -> Any:
+            out = closure()
+            if self._finalized_steps == finalized_before:
+                raise RuntimeError(
+                    "MoEParallelStrategy: the optimizer step ran without gradient finalisation (the module must call "
+                    "strategy.finalize_step after the backward, inside the optimizer closure). A LightningModule that "
+                    "overrides optimizer_step must call super().optimizer_step(...)")
+            return out
+
+        out = super().optimizer_step(optimizer, checked_closure, model, **kwargs)
         if self._free_grads_after_step:
             # free them now rather than after the next forward (Lightning's zero_grad runs before the backward)
             optimizer.zero_grad(set_to_none=True)
         return out
 
-    def finalize_gradients(self, module: "pl.LightningModule") -> StepResult:
-        """Finalise the step's gradients (see :mod:`lightning_moe.parallel.finalize`) with this layout's groups."""
+    def finalize_step(self, record: StepRecord, **kwargs: Any) -> StepResult:
+        """THE gradient-finalisation hook of a step (see :mod:`lightning_moe.parallel.finalize`): called by the
+        module once per optimizer step, after the last backward and before any ``on_before_optimizer_step`` hook,
+        with the step's record and what only the module knows (``parameters``, ``accumulate_grad_batches``,
+        ``update_expert_bias``, ``skip_empty``, ``step``, ``tp_reduce_dtype``: :func:`finalize_step`'s keywords).
+        The strategy adds its layout's reduction groups and the modules whose gradients need the tp sync.
+        Collective."""
         dims = self.parallel_dims
-        return finalize_module_step(
-            module,
-            tp_sync_modules=self._tp_sync_modules,
-            tp_group=dims.tp_mesh.get_group() if dims.tp_enabled else None,
-            global_group=dims.global_group,
-        )
+        result = finalize_step(record, tp_sync_modules=self._tp_sync_modules,
+                               tp_group=dims.tp_mesh.get_group() if dims.tp_enabled else None,
+                               global_group=dims.global_group, **kwargs)
+        self._finalized_steps += 1
+        return result
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     @override
