@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_moe.callbacks import LoadBalanceMonitor
 from lightning_moe.callbacks.progress import MoEProgressBar
 from lightning_moe.checkpoint import META_FILE, SafeCheckpointIO
+from lightning_moe.checkpoint.find import newest_checkpoint
 from lightning_moe.checkpoint.optimizer_state import accept_state_by_name
 from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
 from lightning_moe.data import TextDataModule
@@ -527,15 +528,6 @@ def _bare_preset(fields: Any) -> Optional[str]:
     if not isinstance(fields, dict):
         return None
     return next((n for n in preset_names() if resolve_model_config(n).to_dict() == fields), None)
-
-
-def newest_checkpoint(root: Union[str, os.PathLike]) -> Optional[str]:
-    """The most recently written checkpoint under ``root``: a ``*.ckpt`` file or distributed checkpoint directory,
-    whatever its name (the step's own ``epoch=0-step=300.ckpt`` when the last step was also a validation step,
-    ``last.ckpt`` otherwise); None when there is none. Temporary files of a save in progress are not checkpoints."""
-    found = [p for p in glob.glob(os.path.join(os.fspath(root), "**", "*.ckpt"), recursive=True)
-             if os.path.isfile(p) or os.path.isfile(os.path.join(p, META_FILE))]
-    return max(found, key=os.path.getmtime) if found else None
 
 
 def _load_directories_with_moe_parallel(cfg: Any, path: str) -> None:

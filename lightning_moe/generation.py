@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lightning_moe.checkpoint.format import DCP_METADATA_FILE as _DCP_METADATA
 from lightning_moe.checkpoint.format import META_FILE as _LIGHTNING_META
+from lightning_moe.checkpoint.find import LAST, resolve_checkpoint_arg
 from lightning_moe.checkpoint.publish import resolve
 from lightning_moe.config import ModelConfig, resolve_model_config
 from lightning_moe.models.transformer import KVCache, MoETransformer
@@ -458,7 +459,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="lightning-moe generate",
         description="Continue prompts with a trained lightning_moe model (any checkpoint layout, one process).",
     )
-    p.add_argument("--ckpt_path", required=True, help="a Lightning .ckpt file or a distributed checkpoint directory")
+    p.add_argument("--ckpt_path", required=True, help="a Lightning .ckpt file or a distributed checkpoint directory; "
+                   "`last`: the newest checkpoint under --default_root_dir")
+    p.add_argument("--default_root_dir", default=None,
+                   help="with --ckpt_path last: the run's folder (default: the current directory), as "
+                   "--trainer.default_root_dir of `lightning-moe test`")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch of prompts")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -484,8 +489,11 @@ def generate_main(argv: Optional[list[str]] = None) -> int:
             device = torch.device(args.device)
         except RuntimeError as err:
             raise ValueError(f"--device {args.device!r}: {err}") from None
+        ckpt_path = resolve_checkpoint_arg(args.ckpt_path, args.default_root_dir, "--ckpt_path")
+        if args.ckpt_path == LAST:
+            print(f"lightning-moe generate: --ckpt_path last -> {ckpt_path}", file=sys.stderr)
         name = args.tokenizer
-        if name is None and (name := checkpoint_tokenizer(args.ckpt_path)) is not None:
+        if name is None and (name := checkpoint_tokenizer(ckpt_path)) is not None:
             if not os.path.isdir(os.path.expanduser(name)):
                 raise ValueError(f"{args.ckpt_path} was trained with the tokenizer {name!r}, which is not there: give "
                                  "--tokenizer DIR (a copy of that tokenizer)")
@@ -498,7 +506,7 @@ def generate_main(argv: Optional[list[str]] = None) -> int:
             from lightning_moe.data.tokenizer import load_hf_tokenizer
 
             tokenizer = load_hf_tokenizer(name)
-        model, config = load_for_generation(args.ckpt_path, device=device, dtype=_DTYPES.get(args.dtype))
+        model, config = load_for_generation(ckpt_path, device=device, dtype=_DTYPES.get(args.dtype))
         if name is None and config.vocab_size != len(tokenizer):
             print(f"lightning-moe generate: warning: the model has {config.vocab_size} tokens, the byte tokenizer "
                   f"{len(tokenizer)}, and the checkpoint names no tokenizer: give --tokenizer DIR", file=sys.stderr)
