@@ -31,7 +31,7 @@ def export_main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     from lightning_moe.checkpoint.find import LAST, resolve_checkpoint_arg
-    from lightning_moe.generation import load_for_generation
+    from lightning_moe.checkpoint.offline import load_for_generation
     from lightning_moe.models.hf import EXPORT_MODEL_TYPES, save_hf
     from lightning_moe.module import infer_model_type
 
