@@ -200,7 +200,6 @@ def _local_region(t: Tensor) -> tuple[Tensor, tuple[slice, ...]]:
     return t, tuple(slice(0, s) for s in t.shape)
 
 
-
 def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
     """Our state-dict entries (parameters and persistent buffers) by clean name, as the live tensors."""
     out = {}
