@@ -76,6 +76,14 @@ class MoECLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # LightningCLI warns when both `args` and sys.argv are given; main() passes sys.argv on purpose
         self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
+        self._apply_checkpoint()
+        # LightningCLI's next (private) step re-parses the checkpoint's hyper-parameters over the values given now
+        # and has no public switch; _apply_checkpoint did that step our way, so ckpt_path is kept out of its sight
+        # until before_instantiate_classes puts it back
+        sub = self.config.get("subcommand")
+        self._given_ckpt_path = self.config[sub].get("ckpt_path") if sub else None
+        if self._given_ckpt_path is not None:
+            self.config[sub]["ckpt_path"] = None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--resume_required", type=bool, default=False,
@@ -95,6 +103,8 @@ class MoECLI(LightningCLI):
         ``config: tiny``, for training from scratch) gives way, with a note; fields that contradict the folder stay
         an error."""
         cfg = self.config[self.config["subcommand"]] if self.config.get("subcommand") else self.config
+        if getattr(self, "_given_ckpt_path", None) is not None:
+            cfg["ckpt_path"] = self._given_ckpt_path  # hidden from LightningCLI's own checkpoint step (parse_arguments)
         model = cfg["model"]
         given = _plain(model.get("config"))
         if model.get("pretrained"):
@@ -165,10 +175,9 @@ class MoECLI(LightningCLI):
             rank_zero_info(f"Metrics go to CSV files under {logger.root_dir} (`pip install tensorboard` for "
                            "TensorBoard logs, or choose one with --trainer.logger)")
 
-    def _parse_ckpt_path(self) -> None:
-        # Replaces LightningCLI's step of the same name (private; no public hook sits between parsing and
-        # instantiation), which lets every hyper-parameter of the checkpoint override what was given now.
-        # Here: values given now win (the module then continues the LR schedule with the new lr), the model shape
+    def _apply_checkpoint(self) -> None:
+        # What --ckpt_path means for the values of the run (LightningCLI instead lets every hyper-parameter of
+        # the checkpoint override what was given now). Here: values given now win (the module then continues the LR schedule with the new lr), the model shape
         # must match the checkpoint's, and `last` resolves to the newest checkpoint under default_root_dir.
         sub = self.config.get("subcommand")
         if not sub:
