@@ -3,6 +3,9 @@
 Both dataclasses are plain (no properties with side effects) so that ``dataclasses.replace``,
 ``dataclasses.asdict`` and LightningCLI/jsonargparse YAML all work on them. Every invalid combination
 raises ``ValueError`` with the fix in the message, at construction.
+
+One piece (over 500 lines): the dataclasses, their validation and the presets are read together; a preset is
+checked by the same validation that checks a user's fields.
 """
 
 from __future__ import annotations

@@ -30,26 +30,33 @@ def _size(text: str) -> int:
 def export_main(argv: Optional[list[str]] = None) -> int:
     import torch
 
-    from lightning_moe.generation import load_for_generation
+    from lightning_moe.checkpoint.find import LAST, resolve_checkpoint_arg
+    from lightning_moe.checkpoint.offline import load_for_generation
     from lightning_moe.models.hf import EXPORT_MODEL_TYPES, save_hf
     from lightning_moe.module import infer_model_type
 
     p = argparse.ArgumentParser(prog="lightning-moe export", description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="a .ckpt file or a distributed checkpoint directory (any layout)")
+    p.add_argument("checkpoint", help="a .ckpt file or a distributed checkpoint directory (any layout); `last`: the "
+                   "newest checkpoint under --default_root_dir")
     p.add_argument("out_dir", help="the Hugging Face folder to write (replaced only once complete)")
     p.add_argument("--model_type", choices=EXPORT_MODEL_TYPES, default=None,
                    help="the transformers family (default: inferred from the model config)")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="cast the weights (default: as stored; the fp32 master weights when the checkpoint holds them)")
+    p.add_argument("--default_root_dir", default=None,
+                   help="with `last`: the run's folder (default: the current directory)")
     p.add_argument("--max_shard_size", type=_size, default=5 * 2**30, help="largest safetensors shard (default 5GB)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype or "")
     try:
-        model, cfg = load_for_generation(args.checkpoint)
+        checkpoint = resolve_checkpoint_arg(args.checkpoint, args.default_root_dir, "checkpoint")
+        if args.checkpoint == LAST:
+            print(f"lightning-moe export: last -> {checkpoint}", file=sys.stderr)
+        model, cfg = load_for_generation(checkpoint)
         model_type = args.model_type or infer_model_type(cfg)
         files = save_hf(model, args.out_dir, cfg, model_type=model_type, max_shard_bytes=args.max_shard_size,
                         dtype=dtype)
     except (OSError, ValueError) as e:
-        print(f"lightning-moe export: {e}", file=sys.stderr)
+        print(f"lightning-moe export: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(f"wrote {args.out_dir} ({model_type}, {len(files or [])} files): "
           f"transformers.AutoModelForCausalLM.from_pretrained({args.out_dir!r})")

@@ -24,6 +24,9 @@ Strategies: :class:`~lightning_moe.MoEParallelStrategy` (any layout, one device 
 single-device strategy (the plain ``L.Trainer()`` on one device). Other strategies (DDP, Lightning's FSDP and
 ModelParallel strategies, DeepSpeed) would silently use local token counts, local routing counts and rank 0's
 expert bias: they are refused at setup.
+
+One piece (over 500 lines): the LightningModule's hooks share its state (build, step accumulator, optimizers,
+generation); Lightning calls them on one object.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lightning_moe.checkpoint.format import CHECKSUMS_FILE, CRC_SUFFIX
+from lightning_moe.checkpoint.format import CHECKSUMS_FILE, CRC_SUFFIX, TMP_SUFFIX
 from lightning_moe.checkpoint.publish import fsync_dir, prune
 
 __all__ = ["SafeCheckpointIO", "CorruptCheckpointError", "file_crc32", "write_dir_checksums", "verify_dir_checksums",
@@ -52,7 +52,7 @@ def save_fsynced(obj: Any, path: Union[str, Path]) -> None:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + TMP_SUFFIX)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -73,7 +73,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(path.name + TMP_SUFFIX)
         try:
             save_fsynced(checkpoint, tmp)
             new = file_crc32(tmp)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
-from lightning_moe.checkpoint.format import VERSIONS_DIR
+from lightning_moe.checkpoint.format import LINK_SUFFIX, PARTIAL_SUFFIX, TRASH_SUFFIX, VERSIONS_DIR
 
 __all__ = ["new_staging_dir", "publish", "resolve", "remove", "prune", "current_version", "fsync_dir"]
 
@@ -77,7 +77,7 @@ def new_staging_dir(path: Union[str, Path]) -> Path:
     path = Path(path)
     folder = path.parent / VERSIONS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    staging = folder / f"{path.name}.{_token()}.partial"
+    staging = folder / f"{path.name}.{_token()}{PARTIAL_SUFFIX}"
     staging.mkdir()
     return staging
 
@@ -86,17 +86,17 @@ def publish(staging: Union[str, Path], path: Union[str, Path]) -> Path:
     """Make the complete checkpoint written in ``staging`` (from :func:`new_staging_dir`) the one at ``path``;
     returns its version directory. Deletes the previous version once the new link is durable."""
     staging, path = Path(staging), Path(path)
-    if staging.parent != path.parent / VERSIONS_DIR or not staging.name.endswith(".partial"):
+    if staging.parent != path.parent / VERSIONS_DIR or not staging.name.endswith(PARTIAL_SUFFIX):
         raise ValueError(f"{staging} is not a staging directory of {path} (see new_staging_dir)")
     fsync_dir(staging)
-    version = staging.with_name(staging.name.removesuffix(".partial"))
+    version = staging.with_name(staging.name.removesuffix(PARTIAL_SUFFIX))
     os.rename(staging, version)
     fsync_dir(version.parent)
     if path.is_dir() and not path.is_symlink():
         # a directory from before versions existed: out of the way (until the link is in place, resolve() finds
         # the newest complete version)
         os.rename(path, version.parent / f"{path.name}.{_MIGRATED}")
-    link = version.with_name(version.name + ".link")
+    link = version.with_name(version.name + LINK_SUFFIX)
     os.symlink(os.path.join(VERSIONS_DIR, version.name), link)
     os.replace(link, path)
     fsync_dir(path.parent)
@@ -118,8 +118,8 @@ def _delete(entries: list[Path]) -> None:
         if entry.is_symlink():  # a link left by an interrupted save: never read, removed at once
             entry.unlink()
             continue
-        if not entry.name.endswith(".trash"):  # renamed first: a complete version's name never holds a
-            moved = entry.with_name(entry.name.removesuffix(".partial") + ".trash")  # half-deleted directory
+        if not entry.name.endswith(TRASH_SUFFIX):  # renamed first: a complete version's name never holds a
+            moved = entry.with_name(entry.name.removesuffix(PARTIAL_SUFFIX) + TRASH_SUFFIX)  # half-deleted directory
             os.rename(entry, moved)
             entry = moved
         trash.append(entry)

@@ -10,6 +10,9 @@ ones (see :class:`KVCache`); without a cache every path is the training forward,
 
 Legend: B batch, S sequence, D hidden, H heads, G kv heads, K head dim, V vocabulary, F MLP hidden,
 L cached slots, R MLA kv latent rank, P MLA rope head dim.
+
+One piece (over 500 lines): the blocks of one decoder (norms, rope, attention, MLPs, the KV cache) and the
+model that composes them; each is small, and they change together.
 """
 
 from __future__ import annotations

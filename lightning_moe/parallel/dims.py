@@ -39,6 +39,9 @@ name             view    dims                                   used for
 ``edp``          expert  dp_replicate, edp_shard                ranks holding the same expert shard
 ``ep_etp``       expert  ep, etp                                ranks holding one layer's full expert set
 ===============  ======  =====================================  ==============================================
+
+One piece (over 500 lines): the sizes, their validation and the meshes built from them are one object, so
+that no mesh exists for sizes that were not checked.
 """
 
 from __future__ import annotations

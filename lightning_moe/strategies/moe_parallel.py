@@ -15,6 +15,9 @@ checkpoint IO) it owns what makes MoE training exact under every layout:
   and the optimizer state by parameter name.
 
 Registered in Lightning's strategy registry: ``Trainer(strategy="moe_parallel")`` is ``MoEParallelStrategy()``.
+
+One piece (over 500 lines): a Lightning strategy is one class whose hooks (setup, parallelize, step, save and
+load) share the meshes and the model it holds.
 """
 
 from __future__ import annotations
