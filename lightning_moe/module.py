@@ -409,8 +409,9 @@ class MoELanguageModel(L.LightningModule):
             input_ids, labels, attention_mask = local["input_ids"], local["labels"], local.get("attention_mask")
             positions, position_ids = local.get("global_positions"), local.get("position_ids")
         assert self.model is not None, "call configure_model() first (the Trainer does)"
+        # the collate's host-side document structure (no sync in the forward); context parallelism ignores it
         out = self.model(input_ids, attention_mask, positions, labels_BS=labels, loss_impl=self.loss_impl,
-                         position_ids_BS=position_ids)
+                         position_ids_BS=position_ids, document_segments=batch.get("document_segments"))
         assert isinstance(out, LMStepOutput)
         return out
 

@@ -5,7 +5,9 @@ ignore), optional ``attention_mask`` [B, S] (1 = token, 0 = padding; bool, integ
 ``position_ids`` [B, S] (packed documents: 0 at each document start, +1 per token inside one). One difference:
 our ``labels`` are pre-shifted (``labels[t]`` is the token after ``input_ids[t]``), while Hugging Face models shift
 inside the loss; unshifted labels (every valid label equal to its own input, as ``DataCollatorWithFlattening``
-writes) are refused rather than trained off by one.
+writes) are refused rather than trained off by one. Packed batches from :func:`collate` also carry
+``document_segments`` (:class:`~lightning_moe.models.document_mask.DocumentSegments`): the documents' structure computed
+here on the CPU, so the model's forward needs no host sync to find it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def validate_batch(batch: dict[str, Any], vocab_size: Optional[int] = None,
     positions = batch.get("position_ids")
     if positions is not None:
         _check_position_ids(positions, ids, max_seq_len)
+    segments = batch.get("document_segments")
+    if segments is not None:
+        from lightning_moe.models.document_mask import check_document_segments
+
+        if positions is None:
+            raise ValueError("batch['document_segments'] describe packed documents: the batch needs their "
+                             "position_ids too")
+        check_document_segments(segments, positions, mask)
     return batch
 
 
@@ -128,6 +138,7 @@ def _check_position_ids(positions: torch.Tensor, ids: torch.Tensor, max_seq_len:
 def collate(samples: Sequence[dict[str, torch.Tensor]], vocab_size: Optional[int] = None,
             max_seq_len: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Stack a list of samples (dicts of equal-length 1-D tensors) into a batch and :func:`validate_batch` it.
+    Samples with ``position_ids`` (packed documents) also get the batch's ``document_segments``.
 
     Use it as a DataLoader's ``collate_fn`` (``functools.partial(collate, vocab_size=..., max_seq_len=...)``) for
     datasets of your own."""
@@ -144,4 +155,9 @@ def collate(samples: Sequence[dict[str, torch.Tensor]], vocab_size: Optional[int
                 "attention_mask with 0) or pack them, as TextDataModule does"
             )
         batch[key] = torch.stack(values)
-    return validate_batch(batch, vocab_size, max_seq_len)
+    batch = validate_batch(batch, vocab_size, max_seq_len)
+    if "position_ids" in batch:
+        from lightning_moe.models.document_mask import document_segments
+
+        batch["document_segments"] = document_segments(batch["position_ids"], batch.get("attention_mask"))
+    return batch

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ModelConfig, YaRNScaling
 from lightning_moe.models import registry
-from lightning_moe.models.document_mask import DocumentMask, document_ids
+from lightning_moe.models.document_mask import DocumentMask, DocumentSegments, document_ids
 from lightning_moe.models.heads import expand_kv
 from lightning_moe.models.lm_loss import IGNORE_INDEX, linear_cross_entropy, token_loss_sum
 from lightning_moe.models.outputs import LMStepOutput
@@ -500,12 +500,15 @@ class MoETransformer(nn.Module):
                 positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None,
                 labels_BS: Optional[Tensor] = None, loss_impl: str = "auto",
                 position_ids_BS: Optional[Tensor] = None,
+                document_segments: Optional[DocumentSegments] = None,
                 recorder: Optional[MoERecorder] = None) -> Union[Tensor, LMStepOutput]:
         """``positions_S``: [S] (default arange) or, on one process, [B, S] per-sequence positions. ``cache``:
         incremental decoding (see :class:`KVCache`; positions then follow the cache and must be None).
         ``position_ids_BS``: packed documents (:mod:`lightning_moe.models.document_mask`): positions [B, S] that
         restart at 0 at each document start; they rotate q/k and make attention block-causal per document, while
-        ``positions_S`` stay the tokens' global indices (context parallelism's order).
+        ``positions_S`` stay the tokens' global indices (context parallelism's order). ``document_segments``: the
+        same documents' structure computed on the host (the collate's, see
+        :func:`~lightning_moe.models.document_mask.document_segments`): the forward then needs no host sync.
 
         Returns logits [B, S, V] (``recorder``: receives the MoE layers' records, see
         :class:`~lightning_moe.moe.record.MoERecorder`); with ``labels_BS`` (-100 = ignored) instead an
@@ -517,7 +520,8 @@ class MoETransformer(nn.Module):
         if labels_BS is not None and recorder is None:
             recorder = MoERecorder()
         h_BSD = self.hidden_states(input_ids_BS, attention_mask_BS, positions_S, cache=cache,
-                                   position_ids_BS=position_ids_BS, recorder=recorder)
+                                   position_ids_BS=position_ids_BS, document_segments=document_segments,
+                                   recorder=recorder)
         if labels_BS is None:
             return self.logits(h_BSD)
         assert recorder is not None
@@ -531,7 +535,9 @@ class MoETransformer(nn.Module):
 
     def hidden_states(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
                       positions_S: Optional[Tensor] = None, cache: Optional[KVCache] = None,
-                      position_ids_BS: Optional[Tensor] = None, recorder: Optional[MoERecorder] = None) -> Tensor:
+                      position_ids_BS: Optional[Tensor] = None,
+                      document_segments: Optional[DocumentSegments] = None,
+                      recorder: Optional[MoERecorder] = None) -> Tensor:
         if cache is not None:
             if position_ids_BS is not None:
                 raise ValueError("with a KV cache the positions follow the cache: pass position_ids_BS=None")
@@ -551,7 +557,8 @@ class MoETransformer(nn.Module):
                 raise ValueError(f"position_ids must have the shape of input_ids {tuple(input_ids_BS.shape)} (and "
                                  f"positions_S be [S]), got {tuple(position_ids_BS.shape)}")
             doc_BS = document_ids(positions_S, position_ids_BS, padding_mask)
-            attn_mask = self.build_document_mask(doc_BS, positions_S, self.config.attn_impl, self.config.same_head_dims)
+            attn_mask = self.build_document_mask(doc_BS, positions_S, self.config.attn_impl, self.config.same_head_dims,
+                                                 document_segments)
             rope_positions = position_ids_BS
         h = self.tok_embeddings(input_ids_BS)
         for block in self.layers.values():

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from lightning_moe.autograd import contiguous_grad
 from lightning_moe.collectives import all_gather, all_gather_autograd, wait
-from lightning_moe.models.document_mask import DocumentMask
+from lightning_moe.models.document_mask import DocumentMask, DocumentSegments
 from lightning_moe.models.heads import expand_kv
 from lightning_moe.models.transformer import padded_causal_mask
 
@@ -168,11 +168,12 @@ class AllGatherKVAttention:
         meta_L1B = wait(all_gather(meta_S1B.contiguous(), 0, self.cp_group))
         return meta_L1B[:, 0], meta_L1B[:, 1:].T
 
-    def document_mask(self, doc_BS: Tensor, positions_S: Tensor, attn_impl: str, same_head_dims: bool) -> DocumentMask:
+    def document_mask(self, doc_BS: Tensor, positions_S: Tensor, attn_impl: str, same_head_dims: bool,
+                      segments: Optional[DocumentSegments] = None) -> DocumentMask:
         """Packed sequences: the model's per-forward mask builder under cp (``MoETransformer.build_document_mask``).
         Document ids and positions of every rank's tokens are gathered once per forward (not per layer), and the
         block-causal mask of the local queries against all keys is built once; the gathered attention runs SDPA
-        with it."""
+        with it. ``segments`` (the full rows' structure) are not needed: the gathered ids say it all."""
         if attn_impl not in ("auto", "sdpa") and self.cp_size > 1:
             raise ValueError(
                 f"context parallelism runs packed (document-masked) attention as SDPA with an explicit mask over the "
