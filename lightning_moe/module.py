@@ -32,7 +32,6 @@ generation); Lightning calls them on one object.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -48,15 +47,15 @@ from lightning_moe.build import ModelTransform, build_model
 from lightning_moe.checkpoint.loop_state import start_next_epoch
 from lightning_moe.checkpoint.optimizer_state import accept_state_by_name, optimizer_state_by_name
 from lightning_moe.config import ModelConfig, resolve_model_config
+from lightning_moe.models.labels import mask_document_ends, shift_labels  # noqa: F401  (public here too)
 from lightning_moe.models.lm_loss import IGNORE_INDEX, LOSS_IMPLS
 from lightning_moe.models.transformer import MoETransformer, check_components
 from lightning_moe.optim import AdamW, MasterAdamW
+from lightning_moe.optim.schedule import warmup_cosine  # noqa: F401  (public here too)
 from lightning_moe.models.outputs import LMStepOutput
 from lightning_moe.parallel.finalize import finalize_step, finalizing_closure
 from lightning_moe.step import StepAccumulator, StepResult
 from lightning_moe.strategies import MoEParallelStrategy
-
-
 
 _MASTER_DTYPES = {None: None, "fp32": torch.float32, "float32": torch.float32}
 
@@ -75,36 +74,6 @@ def _load_unsharded_init(model: MoETransformer, config: ModelConfig, seed: int) 
 def _resolve_config(config: Union[ModelConfig, str, dict]) -> ModelConfig:
     """A ModelConfig, a preset name, or a dict of fields with an optional "preset" key (see resolve_model_config)."""
     return resolve_model_config(config)
-
-
-def shift_labels(input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
-                 position_ids_BS: Optional[Tensor] = None) -> Tensor:
-    """Our label convention: labels are the inputs shifted left by one (``labels[t]`` is the token after
-    ``input_ids[t]``); the last position, padding and, for packed documents, each document's last token are -100."""
-    labels = torch.full_like(input_ids_BS, IGNORE_INDEX)
-    labels[:, :-1] = input_ids_BS[:, 1:]
-    if attention_mask_BS is not None:
-        labels[:, :-1] = labels[:, :-1].masked_fill(attention_mask_BS[:, 1:] == 0, IGNORE_INDEX)
-    return mask_document_ends(labels, position_ids_BS)
-
-
-def mask_document_ends(labels_BS: Tensor, position_ids_BS: Optional[Tensor]) -> Tensor:
-    """Packed documents: -100 wherever the next token starts a document (position 0), so no label predicts
-    across a boundary."""
-    if position_ids_BS is None:
-        return labels_BS
-    labels_BS = labels_BS.clone()
-    labels_BS[:, :-1] = labels_BS[:, :-1].masked_fill(position_ids_BS[:, 1:] == 0, IGNORE_INDEX)
-    return labels_BS
-
-
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """LR multiplier: linear warmup from 1/warmup to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class MoELanguageModel(L.LightningModule):

@@ -164,7 +164,7 @@ def test_forward_with_segments_reads_nothing_back_and_builds_one_mask(cpu_varlen
     monkeypatch.setattr(dm, "varlen_segments", lambda *_: pytest.fail("the device path ran despite the segments"))
     labels = shift_labels(ids, None, pos)
     with no_host_reads():
-        loss = model(ids, labels_BS=labels, position_ids_BS=pos, document_segments=seg, loss_impl="torch")
+        loss = model(ids, labels_BS=labels, position_ids_BS=pos, document_segments=seg, loss_impl="torch").loss_sum
         loss.backward()
     assert len(built) == 1 and built[0] is seg  # one DocumentMask for all layers, built from the host's structure
     monkeypatch.setattr(dm, "varlen_segments", device_path)
@@ -176,7 +176,7 @@ def test_forward_with_segments_reads_nothing_back_and_builds_one_mask(cpu_varlen
 def _loss_and_grads(model, ids, mask, pos, seg):
     model.zero_grad()
     loss = model(ids, mask, labels_BS=shift_labels(ids, mask, pos), position_ids_BS=pos, document_segments=seg,
-                 loss_impl="torch")
+                 loss_impl="torch").loss_sum
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
