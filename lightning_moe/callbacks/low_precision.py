@@ -1,4 +1,5 @@
-"""LowPrecisionTraining: FP8 (tensorwise / rowwise), MXFP8 and NVFP4 GEMMs for the dense linears and the routed experts.
+"""LowPrecisionTraining: FP8 (tensorwise / rowwise / blockwise, chosen per GEMM by default), MXFP8 and NVFP4 GEMMs for
+the dense linears and the routed experts.
 
 A model transform (``transform_model``, DESIGN invariant 11): it changes the meta-device model before the strategy
 parallelises it, so it composes with every layout of :class:`~lightning_moe.MoEParallelStrategy`.
@@ -45,12 +46,16 @@ same numbers, as gathering in high precision: tested at W=2 on gloo; the state d
 Tensor parallelism keeps our Colwise/Rowwise styles: torchao's ``Float8Linear`` then runs on DTensors (amaxes reduce
 over the tp group); MXFP8 / NVFP4 dense linears under tp > 1 are refused at setup (blocks would straddle shards).
 
+Per-GEMM choice (``recipe="auto"``, the default): see :class:`LowPrecisionTraining`; the table and its lookups are
+:mod:`lightning_moe.lowp.crossover`, the decision rules :mod:`lightning_moe.lowp.gemm_choice`. ``fp8_blockwise``
+(1x128 activation tiles, 128x128 weight blocks) is :mod:`lightning_moe.lowp.fp8_blockwise`.
+
 YAML (``lightning-moe fit``)::
 
     trainer:
       callbacks:
         - class_path: lightning_moe.callbacks.LowPrecisionTraining
-          init_args: {recipe: fp8_rowwise}
+          init_args: {recipe: fp8_rowwise}   # or {} for the per-GEMM choice (recipe: auto)
 """
 
 from __future__ import annotations
