@@ -6,14 +6,16 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
 
 ``layer``        MoE layer forward + backward at the three shapes of ``bench/moe_layer.py`` (its ``SHAPES``,
                  ``build_ours``, ``time_steps``, ``fwd_bwd_step``: Qwen3-30B-A3B 16384 tokens, DeepSeek-V3 and Mixtral
-                 8192), baseline vs ``--layer-recipes`` (default ``fp8_rowwise``: experts through torchao's FP8
-                 rowwise grouped GEMM with our 16-row group padding, shared experts through torchao Float8Linear),
+                 8192), baseline vs ``--layer-recipes`` (default ``auto``: the callback's per-GEMM choice from the
+                 crossover table, ``--table`` or the shipped one; ``fp8_tensorwise``; ``fp8_rowwise``: experts
+                 through torchao's FP8 rowwise grouped GEMM with our 16-row group padding, shared experts through
+                 torchao Float8Linear), each the median of ``--repeats`` (3) runs interleaved across recipes,
                  same weights, same x / dy, routing as initialised ("learned") and round-robin ("forced",
                  ``MoEConfig.force_balance``; the issue's "balanced"). Also the output's relative difference to the
                  baseline (quantization happened, and no more than that). Target: >= 1.2x at every shape.
 ``step``         train step of the 8-layer Qwen3-30B-A3B-shaped bench model (``bench/train_step.py``'s ``run_ours``,
-                 4 x 4096 tokens): baseline vs ``--step-recipes`` (fp8_tensorwise, fp8_rowwise): tokens/s, peak
-                 memory. Target: >= 1.15x.
+                 4 x 4096 tokens): baseline vs ``--step-recipes`` (auto, fp8_tensorwise, fp8_rowwise): tokens/s
+                 (median of ``--repeats`` interleaved runs), peak memory. Target: >= 1.15x.
 ``convergence``  ``--conv-steps`` (300) steps of ``--preset`` from the same init (same seed: the callback keeps
                  every module's init; each run records checksums of its first batch and initial weights) on the
                  embedded corpus, baseline then each of ``--recipes``. ``bench8``: the 8-layer bench model (lr 3e-4);
