@@ -235,7 +235,8 @@ def layer_lines(res: dict[str, Any], args: argparse.Namespace) -> str:
         for routing in args.routing:
             t = r.get(routing, {})
             sp = f" {t['speedup']:.3f}x" if "speedup" in t else ""
-            parts.append(f"{routing} {t.get('ms', float('nan')):8.3f} ms{sp} (peak {_fmt(t.get('peak_gib'), '.2f')} GiB)")
+            peak = _fmt(t.get("peak_gib"), ".2f")
+            parts.append(f"{routing} {t.get('ms', float('nan')):8.3f} ms{sp} (peak {peak} GiB)")
         diff = f"  y rel diff {r['y_rel_diff']:.2e}" if "y_rel_diff" in r else ""
         if recipe == AUTO:
             diff += f"  {len(r.get('converted', []))} GEMMs in FP8"

@@ -98,7 +98,7 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-@pytest.mark.skipif(not _sm90(), reason="torchao's blockwise FP8 kernels need an sm90 GPU (the emulation is tested above)")
+@pytest.mark.skipif(not _sm90(), reason="torchao's blockwise FP8 kernels need an sm90 GPU (emulation: tests above)")
 def test_torchao_kernels_match_the_emulation_on_gpu():
     pytest.importorskip("torchao.prototype.blockwise_fp8_training.linear")
     from lightning_moe.lowp.fp8_blockwise import fp8_blockwise_grouped_mm, fp8_blockwise_linear

@@ -117,7 +117,8 @@ def test_recipe_in_emulation_is_close_to_fp32_and_differs(recipe, block_formats)
     for n in names:  # every gradient close (routing, norms and embeddings see the quantized activations' effect)
         assert _rel(got["grads"][n], ref["grads"][n]) < 3 * grad_tol, n
     # what stays in high precision: modules not swapped, experts' seam and dense linears swapped
-    dense_type = BlockScaledLinear if recipe in ("mxfp8", "nvfp4", "fp8_blockwise") else type(model.layers["0"].attention.wq)
+    swapped = ("mxfp8", "nvfp4", "fp8_blockwise")  # class swap; the fp8 ones are torchao's Float8Linear
+    dense_type = BlockScaledLinear if recipe in swapped else type(model.layers["0"].attention.wq)
     assert dense_type is not nn.Linear and not isinstance(model.output, dense_type)
     assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
     for i, blk in model.layers.items():

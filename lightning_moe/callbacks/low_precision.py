@@ -73,7 +73,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 import lightning_moe.lowp  # noqa: F401  (quiets what importing torchao prints)
-from lightning_moe.lowp.crossover import BENCH_COMMAND, CrossoverTable, Gemm, device_arch, model_gemms, shipped_table_path
+from lightning_moe.lowp.crossover import (BENCH_COMMAND, CrossoverTable, Gemm, device_arch, model_gemms,
+                                          shipped_table_path)
 from lightning_moe.lowp.gemm_choice import GemmDecision, decide, decision_table
 from lightning_moe.moe.grouped_mm import GroupedMM, TorchGroupedMM
 
