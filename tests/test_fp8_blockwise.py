@@ -1,7 +1,8 @@
 """FP8 blockwise (1x128 activations, 128x128 weights) in emulation: the tile quantizer against its definition, the
 linear's forward / backward error against fp32 bounded and smaller than tensorwise FP8's on a matrix with outliers,
 the grouped GEMM (through the experts' padded seam, uneven and empty groups) equal to a per-group loop of the
-linear, and, on an sm90 GPU, torchao's kernels against the emulation."""
+linear, and, on an sm90 GPU, torchao's kernels against the emulation (and the fused SwiGLU + rowwise quantization
+kernel compiled, storing FP8)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,22 @@ def test_torchao_kernels_match_the_emulation_on_gpu():
         outs.append((y.float(), *(t.float() for t in torch.autograd.grad(y, (x, w_E), dy))))
     for a, b in zip(*outs):
         assert float((a - b).norm() / b.norm()) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a GPU (interpreter: "
+                    "tests/test_moe_kernels.py)")
+def test_fused_swiglu_quant_stores_fp8_on_gpu(monkeypatch):
+    """Compiled, the fused SwiGLU + rowwise quantization stores float8_e4m3fn: the same values as its fp32 output
+    and as the emulated rowwise recipe."""
+    from lightning_moe.lowp.fp8_grouped import _qdq_along
+    from lightning_moe.moe import _triton_kernels, kernels
+
+    if _triton_kernels.INTERPRET:
+        pytest.skip("Triton's interpreter is on in this session: run this file on its own")
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    g, u = (torch.randn(300, 768, device="cuda").mul(3).bfloat16() for _ in range(2))
+    p = torch.rand(300, device="cuda")
+    h, q8, s8 = kernels.swiglu_quant_rowwise(g, u, p)
+    _, q32, s32 = kernels.swiglu_quant_rowwise(g, u, p, q_dtype=torch.float32)
+    assert q8.dtype == torch.float8_e4m3fn and torch.equal(q8.float(), q32) and torch.equal(s8, s32)
+    assert torch.equal(q8.float() * s8[:, None], _qdq_along(h, -1))
