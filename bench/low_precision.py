@@ -6,14 +6,16 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
 
 ``layer``        MoE layer forward + backward at the three shapes of ``bench/moe_layer.py`` (its ``SHAPES``,
                  ``build_ours``, ``time_steps``, ``fwd_bwd_step``: Qwen3-30B-A3B 16384 tokens, DeepSeek-V3 and Mixtral
-                 8192), baseline vs ``--layer-recipes`` (default ``fp8_rowwise``: experts through torchao's FP8
-                 rowwise grouped GEMM with our 16-row group padding, shared experts through torchao Float8Linear),
+                 8192), baseline vs ``--layer-recipes`` (default ``auto``: the callback's per-GEMM choice from the
+                 crossover table, ``--table`` or the shipped one; ``fp8_tensorwise``; ``fp8_rowwise``: experts
+                 through torchao's FP8 rowwise grouped GEMM with our 16-row group padding, shared experts through
+                 torchao Float8Linear), each the median of ``--repeats`` (3) runs interleaved across recipes,
                  same weights, same x / dy, routing as initialised ("learned") and round-robin ("forced",
                  ``MoEConfig.force_balance``; the issue's "balanced"). Also the output's relative difference to the
                  baseline (quantization happened, and no more than that). Target: >= 1.2x at every shape.
 ``step``         train step of the 8-layer Qwen3-30B-A3B-shaped bench model (``bench/train_step.py``'s ``run_ours``,
-                 4 x 4096 tokens): baseline vs ``--step-recipes`` (fp8_tensorwise, fp8_rowwise): tokens/s, peak
-                 memory. Target: >= 1.15x.
+                 4 x 4096 tokens): baseline vs ``--step-recipes`` (auto, fp8_tensorwise, fp8_rowwise): tokens/s
+                 (median of ``--repeats`` interleaved runs), peak memory. Target: >= 1.15x.
 ``convergence``  ``--conv-steps`` (300) steps of ``--preset`` from the same init (same seed: the callback keeps
                  every module's init; each run records checksums of its first batch and initial weights) on the
                  embedded corpus, baseline then each of ``--recipes``. ``bench8``: the 8-layer bench model (lr 3e-4);
@@ -60,6 +62,7 @@ import datetime
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -80,7 +83,8 @@ from lightning_moe.callbacks import LowPrecisionTraining  # noqa: E402
 
 FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise")
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
-ALL_RECIPES = FP8_RECIPES + BLOCK_RECIPES
+AUTO = "auto"  # LowPrecisionTraining's default: FP8 per GEMM where the crossover table says it pays
+ALL_RECIPES = (AUTO,) + FP8_RECIPES + ("fp8_blockwise",) + BLOCK_RECIPES
 BASE = "baseline"
 TARGETS = {"layer": 1.2, "step": 1.15, "fp8": 0.01, "block": 0.03}
 TINY_YAML = _HERE.parent / "examples" / "configs" / "tiny.yaml"
@@ -115,8 +119,23 @@ def _emulate(recipe: str, args: argparse.Namespace) -> bool:
     return args.device == "cpu" or args.emulate or recipe in BLOCK_RECIPES
 
 
-def _callback(recipe: str, args: argparse.Namespace) -> LowPrecisionTraining:
+def _callback(recipe: str, args: argparse.Namespace, tokens: Optional[int] = None) -> LowPrecisionTraining:
+    if recipe == AUTO:  # tokens: the layer's; a train step's come from its datamodule
+        return LowPrecisionTraining(AUTO, emulate=_emulate(recipe, args), tokens_per_microbatch=tokens,
+                                    table=args.table)
     return LowPrecisionTraining(recipe, emulate=_emulate(recipe, args))
+
+
+def _median_of_repeats(reps: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """One result from ``--repeats`` runs: the median of their ``key`` (and every value), the largest peak."""
+    vals = [r[key] for r in reps if r.get(key) is not None]
+    out = dict(reps[len(reps) // 2]) if reps else {}
+    if vals:
+        out[key] = statistics.median(vals)
+    out[f"{key}_repeats"] = vals
+    peaks = [r["peak_gib"] for r in reps if r.get("peak_gib") is not None]
+    out["peak_gib"] = max(peaks) if peaks else None
+    return out
 
 
 def _err(e: BaseException) -> str:
@@ -139,7 +158,7 @@ def bench_layer(args: argparse.Namespace, device: torch.device, budget: Budget) 
     for name in args.shapes:
         res: dict[str, Any] = {"shape": name}
         out.append(res)
-        if not budget.allows(UNIT_S[device.type]["layer"], f"layer {name}"):
+        if not budget.allows(UNIT_S[device.type]["layer"] * args.repeats, f"layer {name}"):
             res["skipped"] = "time limit"
             continue
         try:
@@ -154,39 +173,45 @@ def bench_layer(args: argparse.Namespace, device: torch.device, budget: Budget) 
             continue
         res["tokens"] = T
         y_base = None
-        for recipe in recipes:
-            r: dict[str, Any] = {}
-            res[recipe] = r
-            layer = None
-            try:
-                layer = moe_layer.build_ours(cfg, device, dtype, seed=0)
-                if recipe != BASE:
-                    cb = _callback(recipe, args)
-                    cb.device = device
-                    cb.transform_model(layer)
-                    r["converted"], r["emulate"] = cb.converted, cb.emulate
-                r["plan"] = str(layer.plan)  # FP8: regather_rows=False, every expert GEMM through the recipe
-                with torch.no_grad():
-                    y = layer(x).float()
-                if recipe == BASE:
-                    y_base = y
-                elif y_base is not None:
-                    r["y_rel_diff"] = float((y - y_base).norm() / y_base.norm())
-                del y
-                for routing in args.routing:
-                    layer.router.config.force_balance = routing == "forced"
-                    try:
-                        t = moe_layer.time_steps(moe_layer.fwd_bwd_step(layer, x, dy), device, args.warmup, args.iters)
-                    finally:
-                        layer.router.config.force_balance = False
-                    t.pop("times_ms", None)
-                    r[routing] = t
-            except Exception as e:  # report, keep going
-                r["error"] = _err(e)
-                log(traceback.format_exc())
-            finally:
-                del layer
-                train_step.reset_memory(device)
+        timings: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for rep in range(args.repeats):  # repeats interleaved across recipes: drifts hit every recipe alike
+            for recipe in recipes:
+                r: dict[str, Any] = res.setdefault(recipe, {})
+                if "error" in r:
+                    continue
+                layer = None
+                try:
+                    layer = moe_layer.build_ours(cfg, device, dtype, seed=0)
+                    if recipe != BASE:
+                        cb = _callback(recipe, args, tokens=T)
+                        cb.device = device
+                        cb.transform_model(layer)
+                        r["converted"], r["emulate"] = cb.converted, cb.emulate
+                    r["plan"] = str(layer.plan)  # FP8: regather_rows=False, every expert GEMM through the recipe
+                    if rep == 0:
+                        with torch.no_grad():
+                            y = layer(x).float()
+                        if recipe == BASE:
+                            y_base = y
+                        elif y_base is not None:
+                            r["y_rel_diff"] = float((y - y_base).norm() / y_base.norm())
+                        del y
+                    for routing in args.routing:
+                        layer.router.config.force_balance = routing == "forced"
+                        try:
+                            t = moe_layer.time_steps(moe_layer.fwd_bwd_step(layer, x, dy), device, args.warmup,
+                                                     args.iters)
+                        finally:
+                            layer.router.config.force_balance = False
+                        t.pop("times_ms", None)
+                        timings.setdefault((recipe, routing), []).append(t)
+                        r[routing] = _median_of_repeats(timings[(recipe, routing)], "ms")
+                except Exception as e:  # report, keep going
+                    r["error"] = _err(e)
+                    log(traceback.format_exc())
+                finally:
+                    del layer
+                    train_step.reset_memory(device)
         for routing in args.routing:
             base_ms = res[BASE].get(routing, {}).get("ms")
             for recipe in args.layer_recipes:
@@ -210,8 +235,11 @@ def layer_lines(res: dict[str, Any], args: argparse.Namespace) -> str:
         for routing in args.routing:
             t = r.get(routing, {})
             sp = f" {t['speedup']:.3f}x" if "speedup" in t else ""
-            parts.append(f"{routing} {t.get('ms', float('nan')):8.3f} ms{sp}")
+            peak = _fmt(t.get("peak_gib"), ".2f")
+            parts.append(f"{routing} {t.get('ms', float('nan')):8.3f} ms{sp} (peak {peak} GiB)")
         diff = f"  y rel diff {r['y_rel_diff']:.2e}" if "y_rel_diff" in r else ""
+        if recipe == AUTO:
+            diff += f"  {len(r.get('converted', []))} GEMMs in FP8"
         lines.append(f"layer {res['shape']:12s} T={res['tokens']:6d} {recipe:15s} " + ", ".join(parts) + diff
                      + (f"  (target >= {TARGETS['layer']}x)" if recipe != BASE else ""))
     return "\n".join(lines)
@@ -263,13 +291,21 @@ def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -
             peak = train_step.measure_matmul_peak(device)
         except Exception as e:  # the ratios do not need it
             log(f"matmul peak: {_err(e)}")
+    recipes = (BASE, *args.step_recipes)
+    reps: dict[str, list[dict[str, Any]]] = {r: [] for r in recipes}
+    for rep in range(args.repeats):  # interleaved: a cut run still has every recipe once
+        for recipe in recipes:
+            if not budget.allows(UNIT_S[device.type]["step"], f"step {recipe} (repeat {rep + 1})"):
+                continue
+            reps[recipe].append(_run("bench8" if not args.small else "bench8-small", cfg, recipe, args, device, peak,
+                                     True, args.steps, args.seq_len, args.batch_size, 3e-4))
     runs: list[dict[str, Any]] = []
-    for recipe in (BASE, *args.step_recipes):
-        if not budget.allows(UNIT_S[device.type]["step"], f"step {recipe}"):
-            runs.append({"recipe": recipe, "skipped": "time limit"})
-            continue
-        runs.append(_run("bench8" if not args.small else "bench8-small", cfg, recipe, args, device, peak, True,
-                         args.steps, args.seq_len, args.batch_size, 3e-4))
+    for recipe in recipes:
+        done = [r for r in reps[recipe] if r.get("tokens_per_s")]
+        if done:
+            runs.append({**_median_of_repeats(done, "tokens_per_s"), "recipe": recipe, "repeats": len(done)})
+        else:
+            runs.append({"recipe": recipe, **(reps[recipe][0] if reps[recipe] else {"skipped": "time limit"})})
     base = runs[0].get("tokens_per_s")
     for r in runs:
         if base and r.get("tokens_per_s"):
@@ -279,12 +315,12 @@ def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -
 
 
 def step_table(runs: list[dict[str, Any]]) -> str:
-    lines = [f"{'step recipe':17s} {'tokens/s':>10s} {'speedup':>8s} {'peak GiB':>9s}  note"]
+    lines = [f"{'step recipe':17s} {'tokens/s':>10s} {'speedup':>8s} {'peak GiB':>9s} {'repeats':>7s}  note"]
     target = f"  (target >= {TARGETS['step']}x)"
     for r in runs:
         note = r.get("skipped") or (r.get("error") or "")[:100]
         lines.append(f"{r['recipe']:17s} {_fmt(r.get('tokens_per_s'), '10.0f')} "
-                     f"{_fmt(r.get('speedup'), '8.3f')} {_fmt(r.get('peak_gib'), '9.2f')}  "
+                     f"{_fmt(r.get('speedup'), '8.3f')} {_fmt(r.get('peak_gib'), '9.2f')} {r.get('repeats', 0):7d}  "
                      f"{note}{'' if r['recipe'] == BASE else target}")
     return "\n".join(lines)
 
@@ -489,6 +525,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--precision", default=None, help="Lightning precision of every run (baseline and recipes); "
                    "default bf16-true (cuda), 32-true (cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--repeats", type=int, default=3, help="layer and step: runs per recipe, interleaved; the median "
+                   "is reported (and every repeat's value)")
+    p.add_argument("--table", default=None, help="crossover table for the auto recipe (default: the one shipped "
+                   "for this GPU, lightning_moe/lowp/crossover/<arch>.json)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed of every run (the data order is the "
                    "data module's own seed); another seed's baseline gauges the run-to-run spread")
     p.add_argument("--out", default="bench_low_precision.json")
@@ -496,12 +536,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "report this script wrote (e.g. a GPU run's, on a machine with matplotlib), next to it")
     g = p.add_argument_group("layer")
     g.add_argument("--shapes", default="qwen3,deepseek_v3,mixtral")
-    g.add_argument("--layer-recipes", default="fp8_rowwise")
+    g.add_argument("--layer-recipes", default="auto,fp8_tensorwise,fp8_rowwise")
     g.add_argument("--routing", default="learned,forced", help="learned (as initialised) and/or forced (balanced)")
     g.add_argument("--iters", type=int, default=None, help="timed layer steps (default 20; 2 with --small)")
     g.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5; 1 with --small)")
     g = p.add_argument_group("step")
-    g.add_argument("--step-recipes", default="fp8_tensorwise,fp8_rowwise")
+    g.add_argument("--step-recipes", default="auto,fp8_tensorwise,fp8_rowwise")
     g.add_argument("--steps", type=int, default=None, help="train-step mode steps (default 20; 4 with --small)")
     g.add_argument("--seq-len", type=int, default=None, help="bench8 sequence length (default 4096; 128 --small)")
     g.add_argument("--batch-size", type=int, default=4, help="bench8 batch size")

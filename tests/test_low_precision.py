@@ -32,7 +32,8 @@ from lightning_moe.moe.grouped_mm import TorchGroupedMM
 pytest.importorskip("torchao.float8", reason="the fp8 dense linears use torchao (the ao extra)")
 
 # (loss relative error, relative error of all gradients together) allowed vs fp32, k = E (no routing flips)
-TOLERANCE = {"fp8_tensorwise": (1e-2, 0.1), "fp8_rowwise": (1e-2, 0.1), "mxfp8": (1e-2, 0.1), "nvfp4": (5e-2, 0.5)}
+TOLERANCE = {"fp8_tensorwise": (1e-2, 0.1), "fp8_rowwise": (1e-2, 0.1), "mxfp8": (1e-2, 0.1), "nvfp4": (5e-2, 0.5),
+             "fp8_blockwise": (1e-2, 0.1)}
 
 
 def _standin_block_formats() -> types.ModuleType:
@@ -74,8 +75,12 @@ def block_formats(monkeypatch):
         return mod
 
 
-def _config(top_k: int = 4, aux: bool = True):
+def _config(top_k: int = 4, aux: bool = True, recipe: str = ""):
     cfg = gqa_config()  # hidden 64, heads 4 x 16, expert / shared / dense hidden 32 / 32 / 64: MX blocks fit
+    if recipe == "fp8_blockwise":  # every GEMM dim a multiple of its 128 blocks
+        cfg = dataclasses.replace(cfg, hidden_size=128, num_kv_heads=4, head_dim=32, dense_hidden_size=128,
+                                  moe=dataclasses.replace(cfg.moe, expert_hidden_size=128,
+                                                          shared_expert_hidden_size=128))
     moe = dataclasses.replace(cfg.moe, top_k=top_k)
     if not aux:
         moe = dataclasses.replace(moe, aux_loss_coeff=0.0, z_loss_coeff=0.0, expert_bias=False)
@@ -95,7 +100,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_recipe_in_emulation_is_close_to_fp32_and_differs(recipe, block_formats):
-    cfg = _config()  # top_k = E: no routing decision flips, so differences are quantization error only
+    cfg = _config(recipe=recipe)  # top_k = E: no routing decision flips, so differences are quantization error only
     ids = tokens(cfg)
     base = reference_model(cfg)
     keys = {k: (v.shape, v.dtype) for k, v in base.state_dict().items()}
@@ -112,7 +117,8 @@ def test_recipe_in_emulation_is_close_to_fp32_and_differs(recipe, block_formats)
     for n in names:  # every gradient close (routing, norms and embeddings see the quantized activations' effect)
         assert _rel(got["grads"][n], ref["grads"][n]) < 3 * grad_tol, n
     # what stays in high precision: modules not swapped, experts' seam and dense linears swapped
-    dense_type = BlockScaledLinear if recipe in ("mxfp8", "nvfp4") else type(model.layers["0"].attention.wq)
+    swapped = ("mxfp8", "nvfp4", "fp8_blockwise")  # class swap; the fp8 ones are torchao's Float8Linear
+    dense_type = BlockScaledLinear if recipe in swapped else type(model.layers["0"].attention.wq)
     assert dense_type is not nn.Linear and not isinstance(model.output, dense_type)
     assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
     for i, blk in model.layers.items():

@@ -15,7 +15,7 @@ pytest.importorskip("torchao.float8", reason="the fp8 dense linears use torchao 
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "low_precision.py"
 SMOKE = ["--device", "cpu", "--small", "--shapes", "mixtral", "--iters", "1", "--warmup", "1", "--steps", "2",
-         "--seq-len", "64", "--conv-steps", "3", "--recipes", "fp8_rowwise,nvfp4"]
+         "--seq-len", "64", "--conv-steps", "3", "--recipes", "fp8_rowwise,nvfp4", "--repeats", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,13 @@ def test_every_mode_runs_on_cpu(bench, tmp_path, capsys):
     for routing in ("learned", "forced"):
         assert layer["baseline"][routing]["ms"] > 0 and layer["fp8_rowwise"][routing]["speedup"] > 0
     assert 1e-4 < layer["fp8_rowwise"]["y_rel_diff"] < 0.2  # quantized, and no more than that
-    assert [r["recipe"] for r in report["step"]] == ["baseline", "fp8_tensorwise", "fp8_rowwise"]
+    for recipe in ("baseline", "auto", "fp8_rowwise"):  # the median of the repeats, each one kept
+        t = layer[recipe]["learned"]
+        assert len(t["ms_repeats"]) == 2 and min(t["ms_repeats"]) <= t["ms"] <= max(t["ms_repeats"])
+    assert layer["auto"]["converted"] == []  # no crossover table for a CPU: the auto choice is bf16 everywhere
+    assert [r["recipe"] for r in report["step"]] == ["baseline", "auto", "fp8_tensorwise", "fp8_rowwise"]
     assert all(r["tokens_per_s"] > 0 and "error" not in r for r in report["step"])
+    assert all(r["repeats"] == 2 and len(r["tokens_per_s_repeats"]) == 2 for r in report["step"])
     conv = report["convergence"]
     assert conv["preset"] == "tiny" and conv["settings"]["precision"] == "32-true"
     assert [r["recipe"] for r in conv["runs"]] == ["baseline", "fp8_rowwise", "nvfp4"]
@@ -63,4 +68,4 @@ def test_time_limit_skips_units_with_a_message(bench, tmp_path, capsys):
     assert report["layer"] == [{"shape": "mixtral", "skipped": "time limit"}]
     assert all(r["skipped"] == "time limit" for r in report["step"])
     assert all(s["note"] == "skipped (time limit)" for s in report["convergence"]["summary"])
-    assert capsys.readouterr().out.count("SKIPPED") == 1 + 3 + 3
+    assert capsys.readouterr().out.count("SKIPPED") == 1 + 4 * 2 + 3  # layer shape; step recipes x repeats; runs

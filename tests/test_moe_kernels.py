@@ -257,6 +257,31 @@ def test_swiglu_with_row_weights(triton_kernels, shape, dtype):
     torch.testing.assert_close(kernels.swiglu_reference(g, u, p).double(), ref.detach(), **tol)
 
 
+@needs_triton
+@pytest.mark.parametrize("shape", [(0, 8), (1, 16), (7, 37), (33, 130), (5, 2100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights", [False, True])
+def test_swiglu_quant_rowwise_matches_the_unfused_emulation(triton_kernels, shape, dtype, weights):
+    """The fused SwiGLU + FP8 rowwise quantization: h bit for bit the unfused kernel's, and its quantization bit for
+    bit the emulated FP8 rowwise recipe's (lightning_moe.lowp.fp8_grouped: torchao's power-of-2 scales), outlier and
+    all-zero rows included."""
+    from lightning_moe.lowp.fp8_grouped import _qdq_along, fp8_scale
+
+    torch.manual_seed(8)
+    g, u = (torch.randn(shape).mul(3).to(dtype) for _ in range(2))
+    if shape[0] >= 7:
+        g[1], u[2, 0] = 0.0, 3e4  # a zero row; an outlier
+    p = torch.rand(shape[0]) if weights else None
+    h, q, s = kernels.swiglu_quant_rowwise(g, u, p, q_dtype=torch.float32)
+    assert h.dtype == dtype and q.shape == h.shape and s.shape == (shape[0],)
+    assert torch.equal(h, kernels.swiglu(g, u, p).detach())  # the unfused kernel
+    scale = fp8_scale(h.float().abs().amax(-1, keepdim=True)) if shape[0] else torch.ones(0, 1)
+    assert torch.equal(s, (1.0 / scale).squeeze(-1))
+    assert torch.equal(q, (h.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert torch.equal(q * s[:, None], _qdq_along(h, -1))  # what the emulated grouped GEMM multiplies
+    # compiled on a GPU, stored as float8_e4m3fn: tests/test_fp8_blockwise.py (this module forces the interpreter)
+
+
 # ---- the layer ------------------------------------------------------------------------------------------------------
 
 

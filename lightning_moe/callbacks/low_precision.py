@@ -1,4 +1,5 @@
-"""LowPrecisionTraining: FP8 (tensorwise / rowwise), MXFP8 and NVFP4 GEMMs for the dense linears and the routed experts.
+"""LowPrecisionTraining: FP8 (tensorwise / rowwise / blockwise, chosen per GEMM by default), MXFP8 and NVFP4 GEMMs for
+the dense linears and the routed experts.
 
 A model transform (``transform_model``, DESIGN invariant 11): it changes the meta-device model before the strategy
 parallelises it, so it composes with every layout of :class:`~lightning_moe.MoEParallelStrategy`.
@@ -45,12 +46,16 @@ same numbers, as gathering in high precision: tested at W=2 on gloo; the state d
 Tensor parallelism keeps our Colwise/Rowwise styles: torchao's ``Float8Linear`` then runs on DTensors (amaxes reduce
 over the tp group); MXFP8 / NVFP4 dense linears under tp > 1 are refused at setup (blocks would straddle shards).
 
+Per-GEMM choice (``recipe="auto"``, the default): see :class:`LowPrecisionTraining`; the table and its lookups are
+:mod:`lightning_moe.lowp.crossover`, the decision rules :mod:`lightning_moe.lowp.gemm_choice`. ``fp8_blockwise``
+(1x128 activation tiles, 128x128 weight blocks) is :mod:`lightning_moe.lowp.fp8_blockwise`.
+
 YAML (``lightning-moe fit``)::
 
     trainer:
       callbacks:
         - class_path: lightning_moe.callbacks.LowPrecisionTraining
-          init_args: {recipe: fp8_rowwise}
+          init_args: {recipe: fp8_rowwise}   # or {} for the per-GEMM choice (recipe: auto)
 """
 
 from __future__ import annotations
@@ -59,16 +64,22 @@ import dataclasses
 import fnmatch
 import types
 import warnings
+from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 import lightning_moe.lowp  # noqa: F401  (quiets what importing torchao prints)
-from lightning_moe.moe.grouped_mm import GroupedMM
+from lightning_moe.lowp.crossover import (BENCH_COMMAND, CrossoverTable, Gemm, device_arch, model_gemms,
+                                          shipped_table_path)
+from lightning_moe.lowp.gemm_choice import GemmDecision, decide, decision_table
+from lightning_moe.moe.grouped_mm import GroupedMM, TorchGroupedMM
 
-__all__ = ["BlockScaledLinear", "LowPrecisionGroupedMM", "LowPrecisionTraining", "RECIPES", "check_hardware"]
+__all__ = ["BlockScaledLinear", "LowPrecisionGroupedMM", "LowPrecisionTraining", "PerShapeGroupedMM", "RECIPES",
+           "check_hardware"]
 
 # recipe -> (what it does, the block size / alignment dense dims and expert group sizes need)
 RECIPES = {
@@ -76,8 +87,13 @@ RECIPES = {
     "fp8_rowwise": ("dense: torchao float8 rowwise; experts: FP8 rowwise grouped GEMM", 16),
     "mxfp8": ("MXFP8 (32-element blocks, E8M0 scales), emulated", 32),
     "nvfp4": ("NVFP4 (16-element blocks, E4M3 scales + fp32 tensor scale, RHT, stochastic rounding), emulated", 16),
+    "fp8_blockwise": ("dense and experts: FP8 with 1x128 activation tiles and 128x128 weight blocks (torchao's "
+                      "blockwise FP8 training kernels)", 128),
 }
+AUTO = "auto"  # per-GEMM choice from the crossover table (lightning_moe.lowp.crossover)
+AUTO_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")  # what the table measures and auto may pick
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
+SWAPPED_RECIPES = BLOCK_RECIPES + ("fp8_blockwise",)  # dense linears get their class swapped (not torchao's convert)
 # modules that stay in the run's precision whatever the options (suffixes of module names)
 ALWAYS_KEPT = ("output", "gate")  # the LM head; the shared experts' sigmoid gate (out dim 1)
 
@@ -95,7 +111,7 @@ def check_hardware(recipe: str, emulate: bool, device: Union[str, torch.device],
         raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) needs a CUDA GPU with FP8 tensor cores (sm89+ for "
                          f"the dense linears, sm90+ for the experts); on {device.type} pass emulate=True")
     cap = torch.cuda.get_device_capability(device)
-    need = (9, 0) if experts else (8, 9)
+    need = (9, 0) if experts or recipe == "fp8_blockwise" else (8, 9)
     if cap < need:
         raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) needs sm{need[0]}{need[1]}+ "
                          f"({'FP8 grouped GEMM for the experts' if experts else 'FP8 GEMM'}), this GPU is "
@@ -104,6 +120,8 @@ def check_hardware(recipe: str, emulate: bool, device: Union[str, torch.device],
         import torchao.float8  # noqa: F401
         if experts:
             import torchao.prototype.moe_training  # noqa: F401
+        if recipe == "fp8_blockwise":
+            import torchao.prototype.blockwise_fp8_training.linear  # noqa: F401
     except ImportError as e:
         raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) needs torchao>=0.18 (pip install "
                          f"'lightning_moe[ao]'): {e}") from e
@@ -119,15 +137,22 @@ def _block_formats():
 
 
 class BlockScaledLinear(nn.Linear):
-    """``nn.Linear`` whose GEMMs (forward and backward) run in an MXFP8 / NVFP4 recipe (emulated). Same parameters
-    and state-dict keys as the ``nn.Linear`` it replaces (its class is swapped in place)."""
+    """``nn.Linear`` whose GEMMs (forward and backward) run in a block-scaled recipe: MXFP8 / NVFP4 (emulated) or
+    FP8 blockwise (torchao's kernels, or emulated with ``lowp_emulate``). Same parameters and state-dict keys as the
+    ``nn.Linear`` it replaces (its class is swapped in place)."""
 
     lowp_recipe: str = "mxfp8"
+    lowp_emulate: bool = True
 
     def forward(self, x: Tensor) -> Tensor:
-        fn = _block_formats().block_scaled_linear
         w = self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight
-        y = fn(x.reshape(-1, x.shape[-1]), w, self.lowp_recipe).reshape(*x.shape[:-1], self.out_features)
+        if self.lowp_recipe == "fp8_blockwise":
+            from lightning_moe.lowp import fp8_blockwise as fb
+
+            y = (fb.emulated_fp8_blockwise_linear if self.lowp_emulate else fb.fp8_blockwise_linear)(x, w)
+        else:
+            fn = _block_formats().block_scaled_linear
+            y = fn(x.reshape(-1, x.shape[-1]), w, self.lowp_recipe).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -150,6 +175,10 @@ class LowPrecisionGroupedMM(GroupedMM):
         if self.recipe in BLOCK_RECIPES:
             gmm, recipe = _block_formats().block_scaled_grouped_mm, self.recipe
             return lambda x, w, offs: gmm(x, w, offs, recipe)
+        if self.recipe == "fp8_blockwise":
+            from lightning_moe.lowp import fp8_blockwise as fb
+
+            return fb.emulated_fp8_blockwise_grouped_mm if self.emulate else fb.fp8_blockwise_grouped_mm
         from lightning_moe.lowp import fp8_grouped
 
         return fp8_grouped.emulated_fp8_rowwise_grouped_mm if self.emulate else fp8_grouped.fp8_rowwise_grouped_mm
@@ -164,6 +193,24 @@ class LowPrecisionGroupedMM(GroupedMM):
         return grouped_mm_padded(self._fn(), x_MK, w_EKN, offs_E, self.align)
 
 
+class PerShapeGroupedMM(GroupedMM):
+    """The experts' grouped GEMM when ``recipe="auto"`` chose differently for gate / up and down: the
+    implementation of each projection, told apart by the local weight operand's (K, N); any other shape is
+    ``torch._grouped_mm``. Not ``exact_torch`` (one projection is quantized), no loop fallback (it would skip it)."""
+
+    fallback_hint = LowPrecisionGroupedMM.fallback_hint
+
+    def __init__(self, by_shape: dict[tuple[int, int], GroupedMM]) -> None:
+        self.by_shape = dict(by_shape)
+        self.default = TorchGroupedMM()
+
+    def __repr__(self) -> str:
+        return f"PerShapeGroupedMM({self.by_shape!r})"
+
+    def __call__(self, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+        return self.by_shape.get(tuple(w_EKN.shape[-2:]), self.default)(x_MK, w_EKN, offs_E)
+
+
 def _as_list(value: Union[str, Sequence[str], None]) -> list[str]:
     if value is None:
         return []
@@ -176,50 +223,91 @@ class LowPrecisionTraining(L.Callback):
     """Train the dense linears and routed experts in FP8 / MXFP8 / NVFP4 (see the module docstring).
 
     Args:
-        recipe: ``fp8_tensorwise``, ``fp8_rowwise`` (default), ``mxfp8`` or ``nvfp4``.
+        recipe: ``auto`` (default): each GEMM in FP8 only where the crossover table of this GPU says it pays (see
+            below); or one recipe for every GEMM that can take it: ``fp8_tensorwise``, ``fp8_rowwise``,
+            ``fp8_blockwise``, ``mxfp8`` or ``nvfp4``.
         emulate: run the recipe's numerics in emulation (quantize-dequantize, fp32 GEMMs): any device, slow. Needed
             on CPU, and for MXFP8 / NVFP4 everywhere.
         experts: quantize the routed experts' grouped GEMMs.
         dense: quantize the dense linears (attention, dense MLPs, shared experts).
-        keep_bf16: module-name patterns (fnmatch; a name keeps its children too) left in the run's precision.
+        keep_bf16: module-name patterns (fnmatch; a name keeps its children too) left in the run's precision. The
+            experts' two grouped GEMMs are named ``<experts>.w1_w3`` (gate / up) and ``<experts>.w2`` (down).
+        force: (``auto``) patterns of GEMMs put in FP8 whatever the table says (``keep_bf16`` still wins): the
+            recipe with the best measured ratio at their M, else ``fp8_rowwise``.
+        tokens_per_microbatch: (``auto``) tokens one rank's micro-batch holds; default: the datamodule's
+            ``batch_size * seq_len`` (divided by the context-parallel size).
+        table: (``auto``) the crossover table: a path, a dict, or None for the one shipped for this GPU
+            (``lightning_moe/lowp/crossover/<arch>.json``).
+        min_speedup: (``auto``) the measured bf16 / FP8 time ratio a GEMM needs, from its M up, to be converted.
         fsdp_float8_all_gather: (``fp8_tensorwise`` only) FSDP2 all-gathers FP8 weights.
+
+    ``recipe="auto"``: when the model is built, every dense linear (M = tokens per micro-batch) and every MoE layer's
+    gate / up and down grouped GEMM (M = tokens * top_k / local experts) is looked up in the table by its local
+    (N, K); a GEMM is converted to the recipe with the best measured ratio among those whose crossover M it reaches,
+    and otherwise left exactly as it is (an ``nn.Linear``, the plain grouped GEMM: no cast, no conversion). Shapes
+    the table lacks stay in high precision; a missing table leaves everything there, with a warning naming the
+    bench command that makes one. The decisions are logged once (a compact table) and kept in ``decisions``.
     """
 
-    def __init__(self, recipe: str = "fp8_rowwise", emulate: bool = False, experts: bool = True, dense: bool = True,
-                 keep_bf16: Union[str, Sequence[str], None] = (), fsdp_float8_all_gather: bool = False) -> None:
-        if recipe not in RECIPES:
-            raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: {list(RECIPES)}")
+    def __init__(self, recipe: str = AUTO, emulate: bool = False, experts: bool = True, dense: bool = True,
+                 keep_bf16: Union[str, Sequence[str], None] = (), force: Union[str, Sequence[str], None] = (),
+                 tokens_per_microbatch: Optional[int] = None, table: Union[str, Path, dict, None] = None,
+                 min_speedup: float = 1.0, fsdp_float8_all_gather: bool = False) -> None:
+        if recipe != AUTO and recipe not in RECIPES:
+            raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: "
+                             f"{[AUTO, *RECIPES]}")
         if not (experts or dense):
             raise ValueError("LowPrecisionTraining: experts=False and dense=False leaves nothing to quantize")
         if fsdp_float8_all_gather and (recipe != "fp8_tensorwise" or not dense):
             raise ValueError("LowPrecisionTraining(fsdp_float8_all_gather=True) needs recipe='fp8_tensorwise' and "
                              "dense=True (torchao all-gathers FP8 weights for tensorwise scaling only)")
+        auto_only = {"force": _as_list(force), "tokens_per_microbatch": tokens_per_microbatch, "table": table}
+        given = [k for k, v in auto_only.items() if v not in (None, [])]
+        if recipe != AUTO and given:
+            raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): {given} only apply to recipe='auto' (a "
+                             "named recipe converts every GEMM it can take; use keep_bf16 to exclude some)")
+        if tokens_per_microbatch is not None and tokens_per_microbatch <= 0:
+            raise ValueError(f"LowPrecisionTraining(tokens_per_microbatch={tokens_per_microbatch}) must be positive")
         self.recipe, self.emulate = recipe, bool(emulate)
         self.experts, self.dense = bool(experts), bool(dense)
         self.keep_bf16 = tuple(_as_list(keep_bf16))
+        self.force = tuple(_as_list(force))
+        self.tokens_per_microbatch = tokens_per_microbatch
+        self.table, self.min_speedup = table, float(min_speedup)
         self.fsdp_float8_all_gather = bool(fsdp_float8_all_gather)
         self.device: Optional[torch.device] = None  # set by setup(); else the current CUDA device, else CPU
-        self.converted: list[str] = []  # module names quantized by the last transform_model
+        self.converted: list[str] = []  # module names (auto: GEMM names) quantized by the last transform_model
         self.skipped: list[str] = []  # linears / experts left in high precision because of their dims
+        self.decisions: list[Any] = []  # auto: one lightning_moe.lowp.gemm_choice.GemmDecision per GEMM
+        self._ep = self._etp = self._cp = self._tp = 1
+        self._data_tokens: Optional[int] = None  # from the trainer's datamodule (setup)
 
     def __repr__(self) -> str:
         return (f"LowPrecisionTraining(recipe={self.recipe!r}, emulate={self.emulate}, experts={self.experts}, "
-                f"dense={self.dense}, keep_bf16={list(self.keep_bf16)})")
+                f"dense={self.dense}, keep_bf16={list(self.keep_bf16)}"
+                + (f", force={list(self.force)})" if self.recipe == AUTO else ")"))
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
-        """Before ``configure_model``: remember the device, and refuse layouts this recipe cannot do right."""
+        """Before ``configure_model``: remember the device, the layout and the batch shape, and refuse layouts this
+        recipe cannot do right."""
         from lightning_moe.strategies import MoEParallelStrategy
 
         strategy = trainer.strategy
         self.device = strategy.root_device
-        if isinstance(strategy, MoEParallelStrategy) and self.dense and self.recipe in BLOCK_RECIPES:
-            tp = strategy.parallel_dims.tp
-            if tp > 1:
-                raise ValueError(f"LowPrecisionTraining(recipe={self.recipe!r}) with tp={tp}: block-scaled dense "
-                                 "linears under tensor parallelism are not supported (blocks would straddle "
+        if isinstance(strategy, MoEParallelStrategy):
+            dims = strategy.parallel_dims
+            self._ep, self._etp, self._cp, self._tp = dims.ep, dims.etp, dims.cp, dims.tp
+            if self.dense and self.recipe in SWAPPED_RECIPES and dims.tp > 1:
+                raise ValueError(f"LowPrecisionTraining(recipe={self.recipe!r}) with tp={dims.tp}: block-scaled "
+                                 "dense linears under tensor parallelism are not supported (blocks would straddle "
                                  "shards); use tp=1, dense=False, or an fp8 recipe")
-        check_hardware(self.recipe, self.emulate, self.device, dense=self.dense, experts=self.experts)
+        dm = getattr(trainer, "datamodule", None)
+        if dm is not None and isinstance(getattr(dm, "batch_size", None), int) \
+                and isinstance(getattr(dm, "seq_len", None), int):
+            self._data_tokens = dm.batch_size * dm.seq_len
+        if self.recipe != AUTO:  # auto checks the recipes it picks, when it has picked them
+            check_hardware(self.recipe, self.emulate, self.device, dense=self.dense, experts=self.experts)
 
     def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -229,10 +317,11 @@ class LowPrecisionTraining(L.Callback):
             precompute_float8_dynamic_scale_for_fsdp(getattr(pl_module, "model", pl_module))
 
     # ---- the model transform --------------------------------------------------------------------
+    def _always_kept(self, name: str) -> bool:
+        return name.rsplit(".", 1)[-1] in ALWAYS_KEPT
+
     def _kept(self, name: str) -> bool:
-        if name.rsplit(".", 1)[-1] in ALWAYS_KEPT:
-            return True
-        return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in self.keep_bf16)
+        return self._always_kept(name) or _matches(name, self.keep_bf16)
 
     def _device(self) -> torch.device:
         if self.device is not None:
@@ -241,6 +330,8 @@ class LowPrecisionTraining(L.Callback):
 
     def transform_model(self, model: nn.Module) -> None:
         """Quantize the chosen modules of the (meta-device) model in place; idempotent."""
+        if self.recipe == AUTO:
+            return self._transform_auto(model)
         from lightning_moe.moe.experts import GroupedExperts
         from lightning_moe.moe.layer import MoELayer
 
@@ -262,14 +353,9 @@ class LowPrecisionTraining(L.Callback):
                 if m.dim % align or m.hidden_dim % align:
                     self.skipped.append(name)
                     continue
-                impl = LowPrecisionGroupedMM(self.recipe, self.emulate, name)
-                if id(m) in layers:
-                    layers[id(m)].replan(grouped_mm=impl)
-                else:
-                    m.set_grouped_mm(impl)
+                _set_grouped_mm(m, layers, LowPrecisionGroupedMM(self.recipe, self.emulate, name))
                 self.converted.append(name)
-            elif self.dense and not isinstance(m, BlockScaledLinear) and isinstance(m, nn.Linear) \
-                    and not _is_float8_linear(m):
+            elif self.dense and isinstance(m, nn.Linear) and not _is_converted_linear(m):
                 if m.in_features % align or m.out_features % align:
                     self.skipped.append(name)
                     continue
@@ -278,24 +364,135 @@ class LowPrecisionTraining(L.Callback):
             warnings.warn(f"LowPrecisionTraining({self.recipe}): left in high precision (dims not multiples of "
                           f"{align}): {self.skipped}", stacklevel=2)
         if linears:
-            self._convert_dense(model, set(linears))
+            self._convert_dense(model, set(linears), self.recipe)
             self.converted += linears
 
-    def _convert_dense(self, model: nn.Module, names: set[str]) -> None:
+    # ---- recipe="auto" ----------------------------------------------------------------------------
+    def _load_table(self) -> Optional[CrossoverTable]:
+        if isinstance(self.table, CrossoverTable):
+            return self.table
+        if isinstance(self.table, dict):
+            return CrossoverTable(self.table)
+        if self.table is not None:
+            path = Path(self.table)
+            if not path.is_file():
+                raise ValueError(f"LowPrecisionTraining(table={str(self.table)!r}): no such file; make one with "
+                                 f"`{BENCH_COMMAND}` or leave table=None for the shipped one")
+            return CrossoverTable.load(path)
+        arch = device_arch(self._device())
+        path = shipped_table_path(arch)
+        if path.is_file():
+            return CrossoverTable.load(path)
+        warnings.warn(f"LowPrecisionTraining(recipe='auto'): no FP8 crossover table for {arch} ({path}); every GEMM "
+                      f"stays in high precision (never slower). Make one on this GPU with `{BENCH_COMMAND}` (it "
+                      "writes that file), or pass table=PATH, or name a recipe", stacklevel=3)
+        return None
+
+    def _tokens(self) -> Optional[float]:
+        if self.tokens_per_microbatch is not None:
+            return float(self.tokens_per_microbatch)
+        if self._data_tokens is not None:
+            return self._data_tokens / self._cp
+        return None
+
+    def _fits(self, recipe: str, gemm: Gemm) -> bool:
+        if recipe in SWAPPED_RECIPES and gemm.kind == "dense" and self._tp > 1:
+            return False  # blocks would straddle tensor-parallel shards (see setup)
+        align = RECIPES[recipe][1]
+        return gemm.N % align == 0 and gemm.K % align == 0
+
+    def _transform_auto(self, model: nn.Module) -> None:
+        from lightning_moe.moe.experts import GroupedExperts
+        from lightning_moe.moe.layer import MoELayer
+
+        layers = {id(m.experts): m for m in model.modules() if isinstance(m, MoELayer)}
+        modules = dict(model.named_modules())
+
+        def eligible(g: Gemm) -> bool:
+            m = modules[g.name.rsplit(".", 1)[0] if g.kind == "grouped" else g.name]
+            if g.kind == "grouped":  # experts without the seam, or already given another GEMM, stay as they are
+                return (self.experts and isinstance(m, GroupedExperts) and m.use_grouped_mm
+                        and type(m.grouped_mm) is TorchGroupedMM)
+            return self.dense and not _is_converted_linear(m) and not self._always_kept(g.name)
+
+        gemms = [g for g in model_gemms(model, ep=self._ep, etp=self._etp) if eligible(g)]
+        table = self._load_table()
+        tokens = self._tokens()
+        if tokens is None and (table is not None or self.force):
+            raise ValueError("LowPrecisionTraining(recipe='auto') needs the tokens of a micro-batch to look up the "
+                             "crossover table: pass tokens_per_microbatch=..., or train with a datamodule that has "
+                             "batch_size and seq_len")
+
+        def m_of(g: Gemm) -> Optional[float]:
+            if tokens is None:
+                return None
+            if g.kind == "dense":
+                return tokens
+            layer = layers.get(id(modules[g.name.rsplit(".", 1)[0]]))
+            return tokens * getattr(layer, "top_k", 1) / g.groups
+
+        recipes = [r for r in AUTO_RECIPES if table is None or r in table.recipes]
+        self.decisions = decide(gemms, table, m_of, recipes=recipes or list(AUTO_RECIPES), kept=self._kept,
+                                forced=lambda n: _matches(n, self.force), fits=self._fits,
+                                min_speedup=self.min_speedup)
+        chosen = [d for d in self.decisions if d.recipe is not None]
+        for recipe in sorted({d.recipe for d in chosen}):
+            kinds = {d.gemm.kind for d in chosen if d.recipe == recipe}
+            check_hardware(recipe, self.emulate, self._device(), dense="dense" in kinds, experts="grouped" in kinds)
+        self.skipped = [d.gemm.name for d in self.decisions if d.why == "dims"]
+        self.converted = [d.gemm.name for d in chosen]
+        by_recipe: dict[str, set[str]] = {}
+        for d in chosen:
+            if d.gemm.kind == "dense":
+                by_recipe.setdefault(d.recipe, set()).add(d.gemm.name)
+        for recipe, names in sorted(by_recipe.items()):
+            self._convert_dense(model, names, recipe)
+        grouped: dict[str, list[GemmDecision]] = {}
+        for d in self.decisions:
+            if d.gemm.kind == "grouped":
+                grouped.setdefault(d.gemm.name.rsplit(".", 1)[0], []).append(d)
+        for name, ds in grouped.items():
+            impl = self._experts_impl(name, ds)
+            if impl is not None:
+                _set_grouped_mm(modules[name], layers, impl)
+        rank_zero_info(f"LowPrecisionTraining(recipe='auto'): table "
+                       f"{'none' if table is None else table.source}, {len(chosen)} of {len(self.decisions)} GEMMs "
+                       f"in FP8\n{decision_table(self.decisions)}")
+
+    def _experts_impl(self, name: str, ds: list[GemmDecision]) -> Optional[GroupedMM]:
+        """The grouped GEMM of one experts module from its projections' decisions (None: leave it as it is)."""
+        recipes = {d.recipe for d in ds}
+        if recipes == {None}:
+            return None
+        if len(recipes) == 1:
+            return LowPrecisionGroupedMM(ds[0].recipe, self.emulate, name)
+        # w_EKN of gate / up is [e, D, F_local], of down [e, F_local, D]: the grouped GEMM's (K, N)
+        by_shape: dict[tuple[int, int], GroupedMM] = {}
+        for d in ds:
+            key = (d.gemm.K, d.gemm.N)
+            if key in by_shape:
+                raise ValueError(f"LowPrecisionTraining(recipe='auto'): {name}'s gate / up and down GEMMs have the "
+                                 f"same shape {key} but different choices; force or keep both")
+            by_shape[key] = TorchGroupedMM() if d.recipe is None else LowPrecisionGroupedMM(d.recipe, self.emulate,
+                                                                                           d.gemm.name)
+        return PerShapeGroupedMM(by_shape)
+
+    def _convert_dense(self, model: nn.Module, names: set[str], recipe: str) -> None:
         original = {name: type(model.get_submodule(name)) for name in names}
-        if self.recipe in BLOCK_RECIPES:
-            _block_formats()  # fail now (a clear error), not in the first forward
+        if recipe in SWAPPED_RECIPES:
+            if recipe in BLOCK_RECIPES:
+                _block_formats()  # fail now (a clear error), not in the first forward
             for name in names:
                 m = model.get_submodule(name)
                 m.__class__ = _block_class(original[name])
-                m.lowp_recipe = self.recipe
+                m.lowp_recipe, m.lowp_emulate = recipe, self.emulate
             return
         try:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         except ImportError as e:
-            raise ValueError(f"LowPrecisionTraining(recipe={self.recipe!r}) converts the dense linears with torchao>=0.18 "
+            raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) converts the dense linears with torchao>=0.18 "
                              f"(pip install 'lightning_moe[ao]'), which failed to import: {e}; or pass dense=False") from e
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe.removeprefix("fp8_")),
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.removeprefix("fp8_")),
                                      emulate=self.emulate,
                                      enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in names)
@@ -334,5 +531,18 @@ def _plain_fp8_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str
         state_dict[key] = value._tensor.detach()
 
 
-def _is_float8_linear(m: nn.Module) -> bool:
-    return type(m).__name__ == "Float8Linear"
+def _is_converted_linear(m: nn.Module) -> bool:
+    return isinstance(m, BlockScaledLinear) or type(m).__name__ == "Float8Linear"
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    """fnmatch on module names; a pattern naming a module also matches its children."""
+    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+
+
+def _set_grouped_mm(experts: nn.Module, layers: dict[int, nn.Module], impl: GroupedMM) -> None:
+    """Through the MoE layer holding ``experts`` (its plan depends on the grouped GEMM), else directly."""
+    if id(experts) in layers:
+        layers[id(experts)].replan(grouped_mm=impl)
+    else:
+        experts.set_grouped_mm(impl)

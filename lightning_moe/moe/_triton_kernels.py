@@ -146,3 +146,48 @@ def swiglu_probs_bwd_kernel(g_ptr, u_ptr, p_ptr, dh_ptr, dg_ptr, du_ptr, dp_ptr,
         tl.store(dg_ptr + r * F + f, (dhp * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=m)
     if NEED_DP:
         tl.store(dp_ptr + r, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _e4m3_rne(y):
+    """fp32 ``y`` (|y| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in fp32 arithmetic: exact, so
+    storing it into an e4m3 tensor is a lossless cast (Triton's interpreter mis-rounds its own fp8 casts). Spacing
+    at y: 2^(floor(log2|y|) - 3), at least 2^-9 (the subnormal step)."""
+    e = (tl.abs(y).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    spacing = tl.maximum(e * 0.125, 0.001953125)
+    v = y / spacing
+    r = tl.floor(v + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
+    return r * spacing
+
+
+@triton.jit
+def swiglu_probs_quant_fwd_kernel(g_ptr, u_ptr, p_ptr, h_ptr, q_ptr, s_ptr, F, HAS_P: tl.constexpr,
+                                  BLOCK_F: tl.constexpr):
+    """h[r] = silu(g[r]) * u[r] (* p[r]) as :func:`swiglu_probs_fwd_kernel` computes it, and in the same program its
+    FP8 e4m3 rowwise quantization (the down projection's input, torchao's rowwise numerics): scale = 448 / amax(h[r])
+    rounded down to a power of two (amax >= 1e-12), q[r] = e4m3(clamp(h[r] * scale)), s[r] = 1 / scale. Pass 1
+    stores h and its amax; pass 2 recomputes h from g, u (same math, same value) and stores q. Grid (R,)."""
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.load(p_ptr + r).to(tl.float32) if HAS_P else 1.0
+    amax = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        f = f0 + tl.arange(0, BLOCK_F)
+        m = f < F
+        g = tl.load(g_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+        h = (g * tl.sigmoid(g) * u * p).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + r * F + f, h, mask=m)
+        amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+    a = tl.maximum(tl.max(amax, axis=0), 1e-12)
+    scale = ((448.0 / a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    for f0 in range(0, F, BLOCK_F):
+        f = f0 + tl.arange(0, BLOCK_F)
+        m = f < F
+        g = tl.load(g_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
+        h = (g * tl.sigmoid(g) * u * p).to(h_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.minimum(tl.maximum(h * scale, -448.0), 448.0)
+        tl.store(q_ptr + r * F + f, _e4m3_rne(y).to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + r, 1.0 / scale)

@@ -22,6 +22,8 @@ What the kernels do (all math in fp32, results in the tensors' dtype; triton is 
 * :func:`swiglu` ``silu(g) * u`` whose backward recomputes silu from the saved ``g`` and ``u`` (the reference
   autograd graph keeps ``silu(g)`` as a third [R, F] tensor and runs five elementwise passes); with row weights
   ``silu(g) * u * p`` (the combine weights applied before the down projection) and their gradient, a row sum.
+* :func:`swiglu_quant_rowwise` the same forward and, in the same kernel, h's FP8 e4m3 rowwise quantization (the down
+  projection's input in torchao's rowwise recipe): one read of g and u per pass instead of a separate pass over h.
 
 The dispatchers (``_PermuteRows``, ``_UnpermuteRows``) and ``GroupedExperts`` call these through
 :func:`use_triton`; tests/test_moe_kernels.py checks every kernel against the reference (interpreter on CPU),
@@ -41,7 +43,7 @@ from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 __all__ = ["ENV_VAR", "backend", "use_triton", "k_sum", "gather_rows", "unpermute_backward", "swiglu",
-           "swiglu_reference"]
+           "swiglu_reference", "swiglu_quant_rowwise"]
 
 ENV_VAR = "LIGHTNING_MOE_KERNELS"
 _CHOICES = ("auto", "torch", "triton")
@@ -252,3 +254,26 @@ def swiglu_reference(g: Tensor, u: Tensor, p_R: Optional[Tensor] = None) -> Tens
     dtype, so autograd keeps h and the [R] weights, no fp32 copy of h; the fused kernel multiplies in fp32)."""
     h = F.silu(g) * u
     return h if p_R is None else h * p_R.to(h.dtype).unsqueeze(1)
+
+
+def swiglu_quant_rowwise(g: Tensor, u: Tensor, p_R: Optional[Tensor] = None,
+                         q_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward only: ``h = silu(g) * u`` (times ``p_R[:, None]``; fp32 math as :func:`swiglu`'s kernel), its FP8
+    e4m3 rowwise quantization ``q`` (scale 448 / amax of the row, rounded down to a power of two, as torchao's rowwise
+    recipe and :func:`lightning_moe.lowp.fp8_grouped.qdq_fp8` define it) and the rows' dequantization scales
+    ``s_R`` (``q * s`` is h quantized), in one Triton kernel. ``q_dtype`` float32 gives the e4m3 values in fp32 (the
+    CPU tests: Triton's interpreter cannot store fp8). Needs :func:`use_triton`."""
+    if not use_triton(g):
+        raise RuntimeError(f"swiglu_quant_rowwise is a Triton kernel: CUDA tensors (or the interpreter), got "
+                           f"{g.device.type} with {ENV_VAR}={backend()}")
+    dtype = torch.promote_types(g.dtype, u.dtype)
+    g, u = _c(g).to(dtype), _c(u).to(dtype)
+    R, F_ = g.shape
+    h, q = torch.empty_like(g), torch.empty_like(g, dtype=q_dtype)
+    s = torch.empty(R, device=g.device, dtype=torch.float32)
+    if g.numel():
+        p = _c(p_R).float() if p_R is not None else s  # s: an unused pointer when HAS_P is False
+        block, warps = _row_block(F_)
+        _kernels().swiglu_probs_quant_fwd_kernel[(R,)](g, u, p, h, q, s, F_, HAS_P=p_R is not None, BLOCK_F=block,
+                                                      num_warps=warps)
+    return h, q, s
