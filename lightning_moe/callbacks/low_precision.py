@@ -56,6 +56,9 @@ YAML (``lightning-moe fit``)::
       callbacks:
         - class_path: lightning_moe.callbacks.LowPrecisionTraining
           init_args: {recipe: fp8_rowwise}   # or {} for the per-GEMM choice (recipe: auto)
+
+One piece (over 500 lines): the callback's arguments, the per-GEMM decision it takes once and the model transform
+that applies it share the recipe's validation and hardware checks; the kernels and tables live in ``lowp/``.
 """
 
 from __future__ import annotations
