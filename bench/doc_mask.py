@@ -22,11 +22,16 @@ model before timing: each document-masked kernel's loss and gradients against th
 (bf16 on CUDA, relative error of the loss and of the flattened gradient).
 
 Run (repository root):
-    python bench/doc_mask.py --time-limit 330 --out bench/results/doc_mask_h200.json     # one H200: <= 6 minutes
-    python bench/doc_mask.py --device cpu --small --steps 2 --warmup 0 --out /tmp/dm.json  # CPU smoke test
+    python -m bench doc_mask --time-limit 330 --out bench/results/doc_mask_h200.json     # one H200: <= 6 minutes
+    python -m bench doc_mask --device cpu --small --steps 2 --warmup 0 --out /tmp/dm.json  # CPU smoke test
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python -m bench doc_mask ...` runs `python -m bench doc_mask ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
 
 import time
 
@@ -34,17 +39,13 @@ _T_START = time.perf_counter()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-_BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(_BENCH))
-sys.path.insert(0, str(_BENCH.parent))
-
 import torch  # noqa: E402
-import train_step as ts  # noqa: E402  (also sets the device machines' NCCL policy variables)
+
+from bench import train_step as ts  # noqa: E402
 
 log = ts.log
 TARGETS = {"qwen@4096": 0.97, "qwen@16384": 1.03, "dsv3@4096": 0.97}
@@ -141,32 +142,19 @@ def check_kernels(impls: list[str], device: torch.device, small: bool) -> list[d
     return out
 
 
-def deadline_guard(deadline: Optional[float], stats: dict[str, Any]) -> Any:
-    import lightning as L
-
-    class Guard(L.Callback):
-        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
-            if deadline is not None and time.perf_counter() > deadline and not trainer.should_stop:
-                stats["stopped_by_time_limit_after_steps"] = trainer.global_step
-                trainer.should_stop = True
-
-    return Guard()
-
-
 def run_case(case: str, impl: str, args: argparse.Namespace, device: torch.device,
              deadline: Optional[float]) -> dict[str, Any]:
     """One timed run: ``impl`` "causal" (no document mask) or an ``attn_impl`` with ``document_mask=True``."""
     cfg = case_config(case, args.small)
     seq_len, batch = case_shape(case, args.small)
-    stats: dict[str, Any] = {}
     ns = argparse.Namespace(steps=args.steps, warmup=args.warmup, precision=args.precision, out=args.out,
                             profile=False, loss_impl="auto")
     doc = impl != "causal"
     res = ts.run_ours(case, cfg, seq_len, batch, ns, args.lr, device, None, timed=True,
-                      extra_callbacks=(deadline_guard(deadline, stats),),
+                      deadline=deadline,
                       module_kwargs={"attn_impl": impl} if doc else None,
                       data_kwargs={"document_mask": doc, "max_tokens": args.max_tokens})
-    res.update(stats, case=case, kernel=impl)
+    res.update(case=case, kernel=impl)
     return res
 
 
@@ -295,7 +283,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.with_suffix(".log").write_text(text + "\n")
     save()
     return 0 if all(c["ok"] for c in report["checks"] if "error" not in c) else 1
-
-
-if __name__ == "__main__":
-    ts.run_cli(main)

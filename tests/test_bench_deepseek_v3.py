@@ -110,7 +110,7 @@ def test_hf_loop_stops_at_the_deadline_and_optimizer_bytes(ds):
     cfg = ds.model_config(True)
     device = torch.device("cpu")
     torch.manual_seed(0)
-    model = ds.build_hf(cfg, device, torch.float32)
+    model = ds.deepseek_v3_model(cfg, device, torch.float32)
     opt, sched = ds.ts.hf_optimizer(model, args.lr, args.steps, device)
     res = {}
     losses, times = ds.hf_loop(model, opt, sched, args, device, 0.0, res)  # a deadline long past: one step only
