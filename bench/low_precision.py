@@ -486,7 +486,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed of every run (the data order is the "
                    "data module's own seed); another seed's baseline gauges the run-to-run spread")
-    p.add_argument("--out", default="bench_low_precision.json")
+    p.add_argument("--out", default="bench/results/low_precision.json")
     p.add_argument("--plot-from", default=None, metavar="JSON", help="only redraw the convergence curves of a "
                    "report this script wrote (e.g. a GPU run's, on a machine with matplotlib), next to it")
     g = p.add_argument_group("layer")

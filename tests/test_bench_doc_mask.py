@@ -9,16 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _bench import load_bench
+import bench.doc_mask as dm
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "doc_mask.py"
+RUNNER = [sys.executable, "-m", "bench", "doc_mask"]
 
 
 def test_smoke_run_of_the_whole_script(tmp_path):
     out = tmp_path / "dm.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--impls", "sdpa", "--steps",
+    proc = subprocess.run([*RUNNER, "--device", "cpu", "--small", "--impls", "sdpa", "--steps",
                            "2", "--warmup", "0", "--max-tokens", "200000", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -35,7 +35,6 @@ def test_smoke_run_of_the_whole_script(tmp_path):
 
 
 def test_plan_gives_every_target_a_number_first():
-    dm = load_bench("doc_mask")
     order = dm.plan(["qwen@4096", "qwen@16384", "dsv3@4096"], ["varlen", "flex"])
     assert order[:6] == [("qwen@4096", "causal"), ("qwen@4096", "varlen"), ("qwen@16384", "causal"),
                          ("qwen@16384", "varlen"), ("dsv3@4096", "causal"), ("dsv3@4096", "flex")]
@@ -45,6 +44,5 @@ def test_plan_gives_every_target_a_number_first():
 def test_work_fraction_counts_documents():
     """At 4096 tokens the embedded corpus's documents leave about 0.91 of the causal attention work (the issue's
     figure); a window of one document leaves all of it."""
-    dm = load_bench("doc_mask")
     w = dm.work_fraction(4096, max_tokens=2_000_000)
     assert 0.85 < w["fraction"] < 0.95 and w["docs_per_window"] > 1
