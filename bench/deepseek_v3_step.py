@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional  # noqa: E402
 import torch  # noqa: E402
 
 from bench import train_step as ts  # noqa: E402
+from bench.core.device import GIB, sync  # noqa: E402
 from bench.core.schema import save as save_result  # noqa: E402
 from bench.peers.hf import deepseek_v3_model  # noqa: E402
 
@@ -153,12 +154,12 @@ def time_fn(fn: Callable[[], Any], reps: int, device: torch.device) -> list[floa
 
 def measure_copy_bandwidth(device: torch.device, reps: int = 20) -> dict[str, Any]:
     """Bytes read + written per second by one large ``copy_`` (2 GiB bf16 on CUDA; 64 MiB on a CPU, a placeholder)."""
-    nbytes = 2 * ts.GIB if device.type == "cuda" else 64 * 2**20
+    nbytes = 2 * GIB if device.type == "cuda" else 64 * 2**20
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    ts.sync(device)
+    sync(device)
     t = statistics.median(time_fn(functools.partial(dst.copy_, src), reps, device))
     del src, dst
     ts.reset_memory(device)
@@ -202,7 +203,7 @@ def time_optimizer_step(opt: torch.optim.Optimizer, device: torch.device, reps: 
         p.grad = torch.zeros_like(p)
     try:
         opt.step()
-        ts.sync(device)
+        sync(device)
         times = time_fn(opt.step, reps, device)
         moved = optimizer_bytes(opt)
     finally:
@@ -349,14 +350,14 @@ def hf_loop(model: Any, opt: Any, sched: Any, args: argparse.Namespace, device: 
         if step == 0:
             res["first_batch_checksum"] = int(batch["input_ids"].sum())
         ids = batch["input_ids"].to(device, non_blocking=True)
-        ts.sync(device)
+        sync(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)  # before the forward (as train_step.py's loop, after its step)
         out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         opt.step()
         sched.step()
-        ts.sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(float(out.loss.detach()))  # DeepseekV3ForCausalLM adds no aux loss: the LM loss
         res["aux_loss_returned"] = getattr(out, "aux_loss", None) is not None
@@ -507,7 +508,7 @@ def report_text(report: dict[str, Any], runs: list[dict[str, Any]], budget: Budg
         lines.append(f"optimizer bound: bytes moved (params + grads + exp_avg + exp_avg_sq read, params + both "
                      f"moments written, actual dtypes; with fp32 masters the master read instead of the parameter and "
                      f"written too) / measured copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s (read + write of a "
-                     f"{bw['tensor_bytes'] / ts.GIB:.2f} GiB copy); target opt / bound <= 1.3 (bf16 AdamW), <= 1.25 "
+                     f"{bw['tensor_bytes'] / GIB:.2f} GiB copy); target opt / bound <= 1.3 (bf16 AdamW), <= 1.25 "
                      f"(+master)")
     lines.append(f"parameters: ours {ts._fmt(p['ours'], ',')}, transformers {ts._fmt(p['hf'], ',')} (difference "
                  f"{ts._fmt(p['hf_minus_ours'], ',')}); ModelConfig.count_params() = {p['config_count_params']:,} also "

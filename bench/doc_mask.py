@@ -60,7 +60,7 @@ def case_config(case: str, small: bool) -> Any:
         ns = argparse.Namespace(small=small, layers=2 if small else 8, seq_len=SMALL_SEQ[case] if small else int(seq))
         return ts.qwen_config(ns)
     if model == "dsv3":
-        import deepseek_v3_step as ds
+        from bench import deepseek_v3_step as ds
 
         return ds.model_config(small)
     raise ValueError(f"unknown case {case!r}; cases: {', '.join(TARGETS)}")

@@ -47,6 +47,7 @@ from typing import Any, Optional  # noqa: E402
 import torch  # noqa: E402
 
 from bench import deepseek_v3_step as ds, precision_seeds, train_step as ts  # noqa: E402
+from bench.core.device import GIB  # noqa: E402
 from bench.core.schema import save as save_result  # noqa: E402
 
 log = ts.log
@@ -106,7 +107,7 @@ def report_text(report: dict[str, Any]) -> str:
              f"{report['args']['variant']}, device {report['env'].get('gpu', report['env']['device'])}"]
     if bw:
         lines.append(f"optimizer bound = bytes moved / measured copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s "
-                     f"(read + write of a {bw['tensor_bytes'] / ts.GIB:.2f} GiB copy)")
+                     f"(read + write of a {bw['tensor_bytes'] / GIB:.2f} GiB copy)")
     lines += ["", ds.table(report["runs"]), ""]
     lines += [r["skipped"] for r in report["runs"] if r.get("skipped")]
     if "speed" in c:
