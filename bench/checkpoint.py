@@ -16,7 +16,7 @@ under another layout).
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench checkpoint ...` runs `python -m bench checkpoint ...`
+if __name__ == "__main__":  # `python bench/checkpoint.py ...` runs `python -m bench checkpoint ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

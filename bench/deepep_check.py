@@ -28,7 +28,7 @@ JSON (``--out``, rank 0): args, environment, per shape and routing the check's n
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench deepep_check ...` runs `python -m bench deepep_check ...`
+if __name__ == "__main__":  # `python bench/deepep_check.py ...` runs `python -m bench deepep_check ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

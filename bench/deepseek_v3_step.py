@@ -34,7 +34,7 @@ Run (repository root):
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench deepseek_v3_step ...` runs `python -m bench deepseek_v3_step ...`
+if __name__ == "__main__":  # `python bench/deepseek_v3_step.py ...` runs `python -m bench deepseek_v3_step ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

@@ -28,7 +28,7 @@ Run (repository root):
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench doc_mask ...` runs `python -m bench doc_mask ...`
+if __name__ == "__main__":  # `python bench/doc_mask.py ...` runs `python -m bench doc_mask ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

@@ -23,7 +23,7 @@ Options: --json PATH writes the rows; --shapes qwen3,deepseek; --no-layer.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench kernels_check ...` runs `python -m bench kernels_check ...`
+if __name__ == "__main__":  # `python bench/kernels_check.py ...` runs `python -m bench kernels_check ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)
@@ -31,6 +31,7 @@ if __name__ == "__main__":  # `python -m bench kernels_check ...` runs `python -
 import argparse
 import contextlib
 import os
+import sys
 import statistics
 import time
 import traceback
@@ -50,6 +51,12 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 ARGS: argparse.Namespace  # set by main()
+
+# The Triton interpreter is chosen when triton is first imported, which importing lightning_moe may do: read
+# --device from the command line before that (main() sets it too, for a call in a process that has not imported it).
+if any(a in ("--device=cpu",) for a in sys.argv) or any(
+        a == "--device" and b == "cpu" for a, b in zip(sys.argv, sys.argv[1:])):
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 import torch.nn.functional as F

@@ -47,7 +47,7 @@ Smoke test (CPU, seconds):
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench low_precision ...` runs `python -m bench low_precision ...`
+if __name__ == "__main__":  # `python bench/low_precision.py ...` runs `python -m bench low_precision ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

@@ -19,7 +19,7 @@ Run (repository root):
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench memory ...` runs `python -m bench memory ...`
+if __name__ == "__main__":  # `python bench/memory.py ...` runs `python -m bench memory ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

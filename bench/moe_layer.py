@@ -51,7 +51,7 @@ Run (repository root; torchtitan optional):
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench moe_layer ...` runs `python -m bench moe_layer ...`
+if __name__ == "__main__":  # `python bench/moe_layer.py ...` runs `python -m bench moe_layer ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

@@ -19,7 +19,7 @@ Other options (``--steps``, ``--warmup``, ``--seq-len``, ``--batch-size``, ``--l
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench monitor_overhead ...` runs `python -m bench monitor_overhead ...`
+if __name__ == "__main__":  # `python bench/monitor_overhead.py ...` runs `python -m bench monitor_overhead ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

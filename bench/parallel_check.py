@@ -11,7 +11,7 @@ order (shuffle off): every layout sees the same global batch of ``--global-batch
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench parallel_check ...` runs `python -m bench parallel_check ...`
+if __name__ == "__main__":  # `python bench/parallel_check.py ...` runs `python -m bench parallel_check ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

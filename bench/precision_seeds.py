@@ -37,7 +37,7 @@ Smoke test (tests/test_bench_precision.py): ``--device cpu --seeds 2 --steps 10 
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench precision_seeds ...` runs `python -m bench precision_seeds ...`
+if __name__ == "__main__":  # `python bench/precision_seeds.py ...` runs `python -m bench precision_seeds ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

@@ -30,7 +30,7 @@ CPU smoke test (tests/test_bench_precision.py; tiny shapes, timings meaningless)
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench precision_step ...` runs `python -m bench precision_step ...`
+if __name__ == "__main__":  # `python bench/precision_step.py ...` runs `python -m bench precision_step ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

@@ -15,7 +15,7 @@ Run (repository root):
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench saved_tensors ...` runs `python -m bench saved_tensors ...`
+if __name__ == "__main__":  # `python bench/saved_tensors.py ...` runs `python -m bench saved_tensors ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)

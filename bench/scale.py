@@ -119,7 +119,7 @@ CPU smoke run (gloo, tiny configs of the presets' shapes, ~30 s on 2 cores; what
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m bench scale ...` runs `python -m bench scale ...`
+if __name__ == "__main__":  # `python bench/scale.py ...` runs `python -m bench scale ...`
     from _script import run_as_suite
 
     run_as_suite(__file__)
