@@ -1,11 +1,11 @@
 """Checkpoint save / resume on the GPU: save time (the training stall), load time, and that the resumed run
 continues like the uninterrupted one.
 
-    python bench/checkpoint.py --dir /tmp/ck --layers 8 --out save1.json                       # 1 GPU: train, save, go on
-    python bench/checkpoint.py --dir /tmp/ck --layers 8 --resume --out resume1.json            # 1 GPU: resume, go on
-    torchrun --nproc_per_node 2 bench/checkpoint.py --dir /tmp/ck2 --layout ep=2 --out save2.json
-    python bench/checkpoint.py --dir /tmp/ck2 --resume --out resume21.json                     # 2 GPUs -> 1 GPU
-    python bench/checkpoint.py --compare save1.json resume1.json                               # 2% rule (bf16)
+    python -m bench checkpoint --dir /tmp/ck --layers 8 --out save1.json                       # 1 GPU: train, save, go on
+    python -m bench checkpoint --dir /tmp/ck --layers 8 --resume --out resume1.json            # 1 GPU: resume, go on
+    torchrun --nproc_per_node 2 -m bench checkpoint --dir /tmp/ck2 --layout ep=2 --out save2.json
+    python -m bench checkpoint --dir /tmp/ck2 --resume --out resume21.json                     # 2 GPUs -> 1 GPU
+    python -m bench checkpoint --compare save1.json resume1.json                               # 2% rule (bf16)
 
 The model is the Qwen3-30B-A3B shape with ``--layers`` layers (bf16-true, fused AdamW) on a FIXED batch (the
 same global batch every step, so the data position plays no part): the save run trains ``--steps`` steps, saves,
@@ -16,15 +16,19 @@ under another layout).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python bench/checkpoint.py ...` runs `python -m bench checkpoint ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
+
 import argparse
 import json
 import os
-import sys
 import time
+from typing import Optional
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.core.env import environment
+from bench.core.schema import save as save_result
 
 
 def _layout(text: str) -> dict:
@@ -121,7 +125,7 @@ def compare(files: list[str]) -> int:
     return 0 if ok else 1
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/lightning_moe_ckpt_bench")
     p.add_argument("--layout", default="none")
@@ -136,17 +140,12 @@ def main() -> int:
     p.add_argument("--small", action="store_true", help="the tiny preset (CPU smoke test)")
     p.add_argument("--out", default=None)
     p.add_argument("--compare", nargs="+", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.compare:
         return compare(args.compare)
     out = run(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(out, indent=1))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+            save_result(args.out, {**out, "env": environment(), "args": vars(args)}, "checkpoint")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

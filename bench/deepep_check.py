@@ -4,8 +4,8 @@ and the time of dispatch + combine and of the MoE layer, ep = 2.
 
 Builds nothing: ``deep_ep`` must be installed (docs/deepep.md). Run from the repository root:
 
-    torchrun --nproc_per_node 2 bench/deepep_check.py --out bench/results/deepep_check.json
-    torchrun --nproc_per_node 2 bench/deepep_check.py --cpu --small    # CPU smoke of this script: gloo, fp32, the
+    torchrun --nproc_per_node 2 -m bench deepep_check --out bench/results/deepep_check.json
+    torchrun --nproc_per_node 2 -m bench deepep_check --cpu --small    # CPU smoke of this script: gloo, fp32, the
                                                                        # tests' pure-torch Buffer stand-in, no DeepEP
 
 Per shape (bench/moe_layer.py's: ``qwen3`` = Qwen3-30B-A3B's MoE layer, 16384 tokens a GPU; ``deepseek_v3``, 8192
@@ -28,31 +28,31 @@ JSON (``--out``, rank 0): args, environment, per shape and routing the check's n
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python bench/deepep_check.py ...` runs `python -m bench deepep_check ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
+
+import argparse
+import dataclasses
+import importlib.util
+import json
 import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
 
-# Required policy on the device machines, for this process and any child: no NVLink SHARP / multicast.
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+import torch
+import torch.distributed as dist
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from bench.core.env import environment
+from bench.core.schema import save as save_result
+from bench.core.text import err as _err, log
+from bench.core.timer import time_steps
+from bench.moe_layer import SMALL_TOKENS, SHAPES, build_ours, fwd_bwd_step, model_config
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE), str(_HERE.parent / "tests")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from moe_layer import SMALL_TOKENS, SHAPES, build_ours, fwd_bwd_step, model_config, time_steps  # noqa: E402
-from train_step import _err, environment, log  # noqa: E402
+TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 SHAPE_NAMES = ("qwen3", "deepseek_v3")
 TOL_Y = 2.0**-7  # output and input gradient (one extra bf16 rounding of per-rank partial sums)
@@ -85,13 +85,23 @@ def slowest(ms: float, device: torch.device) -> float:
     return float(t)
 
 
+def _tests_fake_buffer() -> Any:
+    """``FakeBuffer`` of tests/test_deepep_dispatcher.py (a pure-torch DeepEP Buffer), loaded from its file with the
+    tests' own helper module it imports (``_dist``)."""
+    for name in ("_dist", "test_deepep_dispatcher"):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, TESTS / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+    return sys.modules["test_deepep_dispatcher"].FakeBuffer
+
+
 def make_dispatchers(args: argparse.Namespace, group: dist.ProcessGroup) -> dict[str, Any]:
     from lightning_moe.moe.dispatch import AllToAllDispatcher, DeepEPDispatcher
 
     if args.cpu:
-        from test_deepep_dispatcher import FakeBuffer  # the tests' stand-in: no DeepEP on CPU
-
-        deepep = DeepEPDispatcher(group, buffer=FakeBuffer(group))
+        deepep = DeepEPDispatcher(group, buffer=_tests_fake_buffer()(group))  # the tests' stand-in: no DeepEP on CPU
     else:
         deepep = DeepEPDispatcher(group, num_sms=args.num_sms)
     return {"alltoall": AllToAllDispatcher(group), "deepep": deepep}
@@ -239,11 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         print(table(report["results"]), flush=True)
         print(f"deepep vs alltoall: {'OK' if ok else 'FAIL'}", flush=True)
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=1))
+            save_result(args.out, report, "deepep_check")
     dist.destroy_process_group()
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

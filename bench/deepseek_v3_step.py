@@ -27,12 +27,17 @@ the shared expert, the first layer's dense MLP and the LM head. Norms, RoPE, sof
 counted. The JSON also has ``mfu_noncausal`` (all S keys). Denominator: the measured bf16 matmul rate of this run.
 
 Run (repository root):
-    python bench/deepseek_v3_step.py --ours-variants auto+compile,auto --profile --out deepseek_v3_step.json
+    python -m bench deepseek_v3_step --ours-variants auto+compile,auto --profile --out deepseek_v3_step.json
         # H200: about 3-4 minutes (the default --time-limit 420 s caps the call at about 7)
-    python bench/deepseek_v3_step.py --smoke --profile --out /tmp/ds.json     # CPU smoke test (seconds)
+    python -m bench deepseek_v3_step --smoke --profile --out /tmp/ds.json     # CPU smoke test (seconds)
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python bench/deepseek_v3_step.py ...` runs `python -m bench deepseek_v3_step ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
 
 import time
 
@@ -43,17 +48,16 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Optional  # noqa: E402
 
-_BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(_BENCH))
-sys.path.insert(0, str(_BENCH.parent))
-
 import torch  # noqa: E402
-import train_step as ts  # noqa: E402  (also sets the device machines' NCCL policy variables)
+
+from bench import train_step as ts  # noqa: E402
+from bench.core.device import GIB, sync  # noqa: E402
+from bench.core.schema import save as save_result  # noqa: E402
+from bench.peers.hf import deepseek_v3_model  # noqa: E402
 
 log = ts.log
 LABEL = "deepseek-v3-3L-64e"
@@ -150,12 +154,12 @@ def time_fn(fn: Callable[[], Any], reps: int, device: torch.device) -> list[floa
 
 def measure_copy_bandwidth(device: torch.device, reps: int = 20) -> dict[str, Any]:
     """Bytes read + written per second by one large ``copy_`` (2 GiB bf16 on CUDA; 64 MiB on a CPU, a placeholder)."""
-    nbytes = 2 * ts.GIB if device.type == "cuda" else 64 * 2**20
+    nbytes = 2 * GIB if device.type == "cuda" else 64 * 2**20
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    ts.sync(device)
+    sync(device)
     t = statistics.median(time_fn(functools.partial(dst.copy_, src), reps, device))
     del src, dst
     ts.reset_memory(device)
@@ -199,7 +203,7 @@ def time_optimizer_step(opt: torch.optim.Optimizer, device: torch.device, reps: 
         p.grad = torch.zeros_like(p)
     try:
         opt.step()
-        ts.sync(device)
+        sync(device)
         times = time_fn(opt.step, reps, device)
         moved = optimizer_bytes(opt)
     finally:
@@ -320,28 +324,6 @@ def run_ours(cfg: Any, variant: str, args: argparse.Namespace, device: torch.dev
 
 
 # ------------------------------------------------------------------------------------------------ transformers
-def build_hf(cfg: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """``DeepseekV3ForCausalLM`` of ``cfg`` (sdpa, grouped_mm experts), built in ``dtype`` on ``device``; the
-    modules transformers keeps in fp32 when loading (router weight, score-correction bias) stay fp32."""
-    from transformers import AutoConfig, DeepseekV3ForCausalLM
-
-    from lightning_moe.models.hf import config_to_hf
-
-    kw = config_to_hf(cfg, "deepseek_v3")
-    for key in ("model_type", "architectures"):
-        kw.pop(key, None)
-    kw["use_cache"] = False
-    hcfg = AutoConfig.for_model("deepseek_v3", attn_implementation="sdpa", experts_implementation="grouped_mm", **kw)
-    model = ts.build_on(DeepseekV3ForCausalLM, hcfg, device, dtype)
-    keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) + list(
-        getattr(model, "_keep_in_fp32_modules", None) or [])
-    with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if t.is_floating_point() and any(k in name for k in keep):
-                t.data = t.data.float()
-    return model.to(device).train()
-
-
 def _hf_impls(model: Any) -> tuple[str, str]:
     c = model.config
     return str(getattr(c, "_experts_implementation", "?")), str(getattr(c, "_attn_implementation", "?"))
@@ -368,14 +350,14 @@ def hf_loop(model: Any, opt: Any, sched: Any, args: argparse.Namespace, device: 
         if step == 0:
             res["first_batch_checksum"] = int(batch["input_ids"].sum())
         ids = batch["input_ids"].to(device, non_blocking=True)
-        ts.sync(device)
+        sync(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)  # before the forward (as train_step.py's loop, after its step)
         out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         opt.step()
         sched.step()
-        ts.sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(float(out.loss.detach()))  # DeepseekV3ForCausalLM adds no aux loss: the LM loss
         res["aux_loss_returned"] = getattr(out, "aux_loss", None) is not None
@@ -403,7 +385,7 @@ def run_hf(cfg: Any, args: argparse.Namespace, device: torch.device, peak: Optio
     ts.reset_memory(device)
     try:
         dtype = torch.bfloat16 if "bf16" in args.precision else torch.float32
-        model = build_hf(cfg, device, dtype)
+        model = deepseek_v3_model(cfg, device, dtype)
         experts, attn = _hf_impls(model)
         if experts != "grouped_mm" and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation("grouped_mm")  # the config kwarg was not honoured: ask the model
@@ -526,7 +508,7 @@ def report_text(report: dict[str, Any], runs: list[dict[str, Any]], budget: Budg
         lines.append(f"optimizer bound: bytes moved (params + grads + exp_avg + exp_avg_sq read, params + both "
                      f"moments written, actual dtypes; with fp32 masters the master read instead of the parameter and "
                      f"written too) / measured copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s (read + write of a "
-                     f"{bw['tensor_bytes'] / ts.GIB:.2f} GiB copy); target opt / bound <= 1.3 (bf16 AdamW), <= 1.25 "
+                     f"{bw['tensor_bytes'] / GIB:.2f} GiB copy); target opt / bound <= 1.3 (bf16 AdamW), <= 1.25 "
                      f"(+master)")
     lines.append(f"parameters: ours {ts._fmt(p['ours'], ',')}, transformers {ts._fmt(p['hf'], ',')} (difference "
                  f"{ts._fmt(p['hf_minus_ours'], ',')}); ModelConfig.count_params() = {p['config_count_params']:,} also "
@@ -568,7 +550,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default cuda (cpu with --smoke)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU test of every code path: a tiny config of the same structure, 2 steps")
-    p.add_argument("--out", default="deepseek_v3_step.json")
+    p.add_argument("--out", default="bench/results/deepseek_v3_step.json")
     args = p.parse_args(argv)
     fill_defaults(args)
     check_args(args)
@@ -664,7 +646,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if text is not None:
             report["table"] = text
             out.with_suffix(".log").write_text(text + "\n")
-        out.write_text(json.dumps(report, indent=2, default=str))
+        save_result(out, report, "deepseek_v3_step")
 
     profiled = False
     for kind, variant in plan(args):
@@ -690,7 +672,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     log("\n" + "=" * 100 + "\n" + text)
     ran = [r for r in runs if not r.get("skipped")]
     return 0 if ran and all(r.get("ok") for r in ran) else 1
-
-
-if __name__ == "__main__":
-    ts.run_cli(main)

@@ -29,11 +29,16 @@ SDPA reference on one packed batch (bf16 on CUDA, relative error of the loss and
 forward + backward and the CUDA runtime's synchronize / blocking memcpy calls of the step.
 
 Run (repository root):
-    python bench/doc_mask.py --time-limit 330 --profile --out bench/results/doc_mask_h200.json  # one H200: <= 5.5 min
-    python bench/doc_mask.py --device cpu --small --impls sdpa --steps 2 --warmup 0 --out /tmp/dm.json  # CPU smoke
+    python -m bench doc_mask --time-limit 330 --profile --out bench/results/doc_mask_h200.json  # one H200: <= 5.5 min
+    python -m bench doc_mask --device cpu --small --impls sdpa --steps 2 --warmup 0 --out /tmp/dm.json  # CPU smoke
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python bench/doc_mask.py ...` runs `python -m bench doc_mask ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
 
 import time
 
@@ -41,17 +46,13 @@ _T_START = time.perf_counter()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-_BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(_BENCH))
-sys.path.insert(0, str(_BENCH.parent))
-
 import torch  # noqa: E402
-import train_step as ts  # noqa: E402  (also sets the device machines' NCCL policy variables)
+
+from bench import train_step as ts  # noqa: E402
 
 log = ts.log
 TARGETS = {"qwen@4096": 0.97, "qwen@16384": 1.03, "dsv3@4096": 0.97}
@@ -66,7 +67,7 @@ def case_config(case: str, small: bool) -> Any:
         ns = argparse.Namespace(small=small, layers=2 if small else 8, seq_len=SMALL_SEQ[case] if small else int(seq))
         return ts.qwen_config(ns)
     if model == "dsv3":
-        import deepseek_v3_step as ds
+        from bench import deepseek_v3_step as ds
 
         return ds.model_config(small)
     raise ValueError(f"unknown case {case!r}; cases: {', '.join(TARGETS)}")
@@ -498,7 +499,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.with_suffix(".log").write_text(text + "\n")
     save()
     return 0 if all(c["ok"] for c in report["checks"] if "error" not in c) else 1
-
-
-if __name__ == "__main__":
-    ts.run_cli(main)

@@ -16,29 +16,29 @@ E 256), bf16 activations, fp32 combine weights, routing = random top-k of softma
   ratio the performance issue tracks.
 
 Run (repository root):
-    python bench/kernels_check.py                          # one GPU, well under 2 minutes
-    python bench/kernels_check.py --device cpu --small     # smoke test (Triton's interpreter, seconds)
+    python -m bench kernels_check                          # one GPU, well under 2 minutes
+    python -m bench kernels_check --device cpu --small     # smoke test (Triton's interpreter, seconds)
 Options: --json PATH writes the rows; --shapes qwen3,deepseek; --no-layer.
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python bench/kernels_check.py ...` runs `python -m bench kernels_check ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
+
 import argparse
 import contextlib
-import json
 import os
-import statistics
 import sys
+import statistics
 import time
 import traceback
-from pathlib import Path
-
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
+from typing import Optional
 
 
-def _args():
+def _args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -47,15 +47,22 @@ def _args():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--json", default=None)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-ARGS = _args()
-if ARGS.device == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (lightning_moe imports it lazily)
+ARGS: argparse.Namespace  # set by main()
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+# The Triton interpreter is chosen when triton is first imported, which importing lightning_moe may do: read
+# --device from the command line before that (main() sets it too, for a call in a process that has not imported it).
+if any(a in ("--device=cpu",) for a in sys.argv) or any(
+        a == "--device" and b == "cpu" for a, b in zip(sys.argv, sys.argv[1:])):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+import torch.nn.functional as F
+
+from bench.core.env import environment
+from bench.core.schema import save as save_result
 
 from lightning_moe.config import MoEConfig  # noqa: E402
 from lightning_moe.moe import kernels  # noqa: E402
@@ -258,7 +265,11 @@ def check_layer(rows, dev):
                      bare_gemm_ms=bare))
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
+    global ARGS
+    ARGS = _args(argv)
+    if ARGS.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (lightning_moe imports it lazily)
     dev = torch.device(ARGS.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu --small")
@@ -303,9 +314,6 @@ def main() -> int:
     for f in failures:
         print(f)
     if ARGS.json:
-        Path(ARGS.json).write_text(json.dumps(dict(rows=rows, errors=failures, torch=torch.__version__), indent=1))
+        save_result(ARGS.json, {"env": environment(dev), "args": vars(ARGS), "checks": rows, "errors": failures},
+                    "kernels_check")
     return 1 if bad or failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,27 +35,27 @@ flagged). Every run prints its wall time and seconds per step; the JSON is rewri
 
 GPU (one H200; repository root). All three modes in one call, ~8 minutes (layer ~1 min, step ~1.5 min, the rest to
 300-step convergence runs of fp8_tensorwise and fp8_rowwise vs bf16; a run that cannot finish is cut and flagged):
-    python bench/low_precision.py --time-limit 480 --out bench/results/low_precision_h200.json
+    python -m bench low_precision --time-limit 480 --out bench/results/low_precision_h200.json
 CPU (the emulated MXFP8 / NVFP4 convergence on the tiny preset; 1.5 / 4 / 5.5 minutes for baseline / mxfp8 / nvfp4
 on one thread of a 2-core Xeon: ``--threads 1`` on a shared machine, where 2 threads ran 10x slower; bf16-true runs
 about as fast as the default 32-true there):
-    python bench/low_precision.py --device cpu --threads 1 --precision bf16-true --mode convergence --preset tiny \\
+    python -m bench low_precision --device cpu --threads 1 --precision bf16-true --mode convergence --preset tiny \\
         --recipes mxfp8,nvfp4 --conv-steps 300 --out bench/results/low_precision_tiny_cpu_bf16.json
 Curves of a report written where matplotlib is missing (a CSV there), redrawn elsewhere:
-    python bench/low_precision.py --plot-from bench/results/low_precision_h200.json
+    python -m bench low_precision --plot-from bench/results/low_precision_h200.json
 Smoke test (CPU, seconds):
-    python bench/low_precision.py --device cpu --small --shapes mixtral --conv-steps 3 --out /tmp/lowp.json
+    python -m bench low_precision --device cpu --small --shapes mixtral --conv-steps 3 --out /tmp/lowp.json
 """
 
 from __future__ import annotations
 
-import os
+if __name__ == "__main__":  # `python bench/low_precision.py ...` runs `python -m bench low_precision ...`
+    from _script import run_as_suite
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    run_as_suite(__file__)
 
 import argparse
+import os
 import csv
 import dataclasses
 import datetime
@@ -71,15 +71,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from bench import moe_layer, train_step
+from lightning_moe.callbacks import LowPrecisionTraining
+
 _HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import moe_layer  # noqa: E402
-import train_step  # noqa: E402
-
-from lightning_moe.callbacks import LowPrecisionTraining  # noqa: E402
 
 FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise")
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
@@ -531,7 +526,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "for this GPU, lightning_moe/lowp/crossover/<arch>.json)")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed of every run (the data order is the "
                    "data module's own seed); another seed's baseline gauges the run-to-run spread")
-    p.add_argument("--out", default="bench_low_precision.json")
+    p.add_argument("--out", default="bench/results/low_precision.json")
     p.add_argument("--plot-from", default=None, metavar="JSON", help="only redraw the convergence curves of a "
                    "report this script wrote (e.g. a GPU run's, on a machine with matplotlib), next to it")
     g = p.add_argument_group("layer")
@@ -655,7 +650,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     save()
     log(f"wrote {out} ({report['wall_s']:.0f} s)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

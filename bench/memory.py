@@ -13,26 +13,27 @@ fails above ``--grad-tol`` (bf16 rounding and the order of CUDA's atomic adds di
 off by O(1)); ``--repeat-none`` runs ``none`` twice to show that run-to-run floor.
 
 Run (repository root):
-    python bench/memory.py --out bench/results/memory_h200.json          # H200: about 5 minutes
-    python bench/memory.py --device cpu --small --out /tmp/memory.json   # smoke test of the whole script
+    python -m bench memory --out bench/results/memory_h200.json          # H200: about 5 minutes
+    python -m bench memory --device cpu --small --out /tmp/memory.json   # smoke test of the whole script
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python bench/memory.py ...` runs `python -m bench memory ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
+
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-_BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(_BENCH))
-sys.path.insert(0, str(_BENCH.parent))
+import torch
 
-import torch  # noqa: E402
-import train_step as ts  # noqa: E402
-from deepseek_v3_step import Budget  # noqa: E402
+from bench import train_step as ts
+from bench.core.schema import save as save_result
+from bench.deepseek_v3_step import Budget
 
 GIB = 1024**3
 # The default settings, by label. A label reads "<recompute> [+offload[<modules>]] [[grads freed]]": <recompute> is
@@ -228,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-grad-check", action="store_true", help="skip the first-step gradient check against none")
     p.add_argument("--grad-tol", type=float, default=1e-2, help="largest relative L2 gradient difference to none")
     p.add_argument("--repeat-none", action="store_true", help="run none twice: the run-to-run gradient floor")
-    p.add_argument("--out", default="bench_memory.json")
+    p.add_argument("--out", default="bench/results/memory.json")
     args = p.parse_args(argv)
     # the attributes run_ours and qwen_config read
     args.seq_len = 128 if args.small else 4096
@@ -250,7 +251,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         summarise(runs, state)
         report["total_wall_s"] = time.perf_counter() - t0
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        save_result(args.out, report, "memory")
 
     # "none" first (the baseline of every ratio), then the chosen defaults in their order, then the other labels
     labels = SETTINGS if wanted is None else ["none", *(x for x in SETTINGS[1:] if x in wanted),
@@ -302,7 +303,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"best: {report['best']}; total wall time {report['total_wall_s']:.0f}s; results in {args.out}")
     done = [r for r in runs if not r.get("skipped")]
     return 0 if all(_ran(r) and _grads_ok(r, args.grad_tol) for r in done) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -44,43 +44,38 @@ Targets (issue 10) printed next to the ratios: qwen3 <= 1.25x bare, deepseek_v3 
 mixtral <= 1.05x bare; learned / forced <= 1.1.
 
 Run (repository root; torchtitan optional):
-    python bench/moe_layer.py --out bench/results/moe_layer_h200.json          # H200: well under 4 minutes
-    python bench/moe_layer.py --shapes qwen3 --profile --out /tmp/moe.json     # + top-20 kernels and a trace
-    python bench/moe_layer.py --device cpu --small                              # smoke test of every section
+    python -m bench moe_layer --out bench/results/moe_layer_h200.json          # H200: well under 4 minutes
+    python -m bench moe_layer --shapes qwen3 --profile --out /tmp/moe.json     # + top-20 kernels and a trace
+    python -m bench moe_layer --device cpu --small                              # smoke test of every section
 """
 
 from __future__ import annotations
 
-import os
+if __name__ == "__main__":  # `python bench/moe_layer.py ...` runs `python -m bench moe_layer ...`
+    from _script import run_as_suite
 
-# Required policy on the device machines (harmless on one GPU): no NVLink SHARP / multicast.
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    run_as_suite(__file__)
 
 import argparse
-import contextlib
 import dataclasses
 import importlib
 import json
-import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-_HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from bench.core.device import building, reset_memory, sync
+from bench.core.env import environment
+from bench.core.schema import save as save_result
+from bench.core.text import err as _err, fmt as _fmt, log, md_table
+from bench.core.timer import time_steps
+from bench.peers import hf as hf_peer, torchtitan as titan_peer
 
-from train_step import _err, _fmt, allocated_gib, environment, log, peak_gib, reset_memory, sync  # noqa: E402
-
-GIB = 1024**3
+DEFAULT_OUT = "bench/results/moe_layer.json"
 
 # name -> preset, transformers model_type, tokens, the ratio the target is on, the target
 SHAPES: dict[str, dict[str, Any]] = {
@@ -98,39 +93,6 @@ SMALL: dict[str, dict[str, Any]] = {
     "mixtral": dict(hidden_size=256, moe={"num_experts": 4, "top_k": 2, "expert_hidden_size": 256}),
 }
 SMALL_TOKENS = 256
-HF_BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "deepseek_v3": "DeepseekV3MoE", "mixtral": "MixtralSparseMoeBlock"}
-
-
-# ------------------------------------------------------------------------------------------------ timing
-def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> dict[str, Any]:
-    """Median (and min / mean) ms of ``step`` after ``warmup`` untimed calls; peak memory over the whole run."""
-    base = allocated_gib(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(warmup):
-        step()
-    sync(device)
-    times: list[float] = []
-    if device.type == "cuda":
-        events = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            events.append((s, e))
-        sync(device)
-        times = [s.elapsed_time(e) for s, e in events]
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    peak = peak_gib(device)
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_mean": sum(times) / len(times),
-            "iters": iters, "warmup": warmup, "times_ms": times, "peak_gib": peak,
-            "allocated_before_gib": base,
-            "peak_above_start_gib": None if peak is None or base is None else peak - base}
 
 
 def guarded(res: dict[str, Any], fn: Callable[[], None]) -> None:
@@ -141,18 +103,6 @@ def guarded(res: dict[str, Any], fn: Callable[[], None]) -> None:
         res["error"] = _err(e)
         res["traceback"] = traceback.format_exc()
         log(res["traceback"])
-
-
-@contextlib.contextmanager
-def building(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    """Modules built inside are created on ``device`` with ``dtype`` as the default floating dtype."""
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(prev)
 
 
 def clear_grads(*tensors: torch.Tensor) -> None:
@@ -362,132 +312,6 @@ def experts_only_step(experts: Any, counts: torch.Tensor, device: torch.device, 
     return step
 
 
-# ------------------------------------------------------------------------------------------------ peers
-def _copy_into(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Copy ``values`` (by parameter / buffer name) into ``module``, keeping the module's dtypes; names of the
-    module that got nothing are returned (the benchmark then runs them as initialised, and says so)."""
-    own = dict(module.named_parameters())
-    own.update({k: v for k, v in module.named_buffers() if v is not None})
-    missing = sorted(set(own) - set(values))
-    unknown = sorted(set(values) - set(own))
-    with torch.no_grad():
-        for name, v in values.items():
-            if name in own:
-                if tuple(own[name].shape) != tuple(v.shape):
-                    raise ValueError(f"{name}: shape {tuple(own[name].shape)} vs ours {tuple(v.shape)}")
-                own[name].copy_(v)
-    return {"unmapped": missing, "unused": unknown}
-
-
-def hf_block(model_cfg: Any, model_type: str, impl: str, src: Any, device: torch.device,
-             dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
-    import transformers
-    from transformers import AutoConfig
-
-    from lightning_moe.models.hf import config_to_hf
-
-    d = config_to_hf(model_cfg, model_type)
-    d.pop("model_type", None)
-    d.pop("architectures", None)
-    hcfg = AutoConfig.for_model(model_type, **d)
-    info: dict[str, Any] = {"transformers": transformers.__version__}
-    if impl != "eager" and not hasattr(hcfg, "_experts_implementation"):
-        raise RuntimeError(f"transformers {transformers.__version__} has no experts implementation switch")
-    if hasattr(hcfg, "_experts_implementation"):
-        hcfg._experts_implementation = impl
-    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    cls = getattr(mod, HF_BLOCKS[model_type])
-    with building(device, dtype):
-        block = cls(hcfg)
-    # the dtypes the transformers model keeps in fp32 (DeepSeek-V3: gate.weight, e_score_correction_bias)
-    keep: set[str] = set()
-    for obj in vars(mod).values():
-        if isinstance(obj, type) and issubclass(obj, transformers.PreTrainedModel):
-            for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
-                keep |= set(getattr(obj, attr, None) or [])
-    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
-        if t.is_floating_point() and any(k in name for k in keep):
-            t.data = t.data.float()
-    info["fp32_tensors"] = sorted(n for n, t in list(block.named_parameters()) + list(block.named_buffers())
-                                  if t.dtype == torch.float32)
-    e = src.experts
-    ex = block.experts
-    w13 = torch.cat([e.w1.detach(), e.w3.detach()], dim=1)  # [E, 2F, D]: gate then up (transformers' chunk order)
-    if getattr(ex, "is_transposed", False):
-        vals = {"experts.gate_up_proj": w13.transpose(1, 2), "experts.down_proj": e.w2.detach().transpose(1, 2)}
-    else:
-        vals = {"experts.gate_up_proj": w13, "experts.down_proj": e.w2.detach()}
-    vals["gate.weight"] = src.router.weight.detach()
-    if src.router.expert_bias is not None:
-        vals["gate.e_score_correction_bias"] = src.router.expert_bias
-    if src.shared_experts is not None:
-        s = src.shared_experts
-        vals.update({"shared_experts.gate_proj.weight": s.w1.weight.detach(),
-                     "shared_experts.up_proj.weight": s.w3.weight.detach(),
-                     "shared_experts.down_proj.weight": s.w2.weight.detach()})
-    info.update(_copy_into(block, vals))
-    info["experts_implementation"] = str(getattr(ex.config, "_experts_implementation", "n/a")) \
-        if hasattr(ex, "config") else "n/a (no experts interface)"
-    return block.train(), info
-
-
-def titan_block(model_cfg: Any, src: Any, device: torch.device, dtype: torch.dtype,
-                forced: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
-    from torchtitan.models.common.feed_forward import FeedForward
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-
-    m, D = model_cfg.moe, model_cfg.hidden_size
-    E, k = m.num_experts, m.top_k
-    if m.score_func == "softmax" and not m.pre_softmax and not m.norm_topk_prob:
-        raise ValueError("softmax over the chosen logits without renormalisation has no torchtitan equivalent")
-    shared = None
-    if m.shared_expert_hidden_size:
-        Fs = m.shared_expert_hidden_size
-        shared = FeedForward.Config(w1=Linear.Config(in_features=D, out_features=Fs),
-                                    w2=Linear.Config(in_features=Fs, out_features=D),
-                                    w3=Linear.Config(in_features=D, out_features=Fs))
-    cfg = MoE.Config(
-        num_experts=E,
-        routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=m.expert_hidden_size, num_experts=E),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k)),
-        router=TokenChoiceTopKRouter.Config(
-            num_experts=E, gate=Linear.Config(in_features=D, out_features=E), top_k=k, score_func=m.score_func,
-            # Mixtral (softmax over the k chosen logits) = softmax over all, top-k, renormalised
-            route_norm=bool(m.norm_topk_prob or (m.score_func == "softmax" and not m.pre_softmax)),
-            route_scale=float(m.scaling_factor or 1.0), num_expert_groups=m.num_groups,
-            num_limited_groups=m.group_topk, _debug_force_load_balance=forced),
-        load_balance_coeff=1e-3 if m.expert_bias else None,
-        shared_experts=shared,
-    )
-    with building(device, dtype):
-        block = cfg.build()
-    e = src.experts
-    vals = {"routed_experts.inner_experts.w1_EFD": e.w1.detach(), "routed_experts.inner_experts.w2_EDF": e.w2.detach(),
-            "routed_experts.inner_experts.w3_EFD": e.w3.detach(), "router.gate.weight": src.router.weight.detach(),
-            "tokens_per_expert_E": torch.zeros(E, device=device)}
-    if src.router.expert_bias is not None:
-        vals["expert_bias_E"] = src.router.expert_bias
-    if src.shared_experts is not None:
-        s = src.shared_experts
-        vals.update({f"shared_experts.{n}.weight": getattr(s, n).weight.detach() for n in ("w1", "w2", "w3")})
-    info = _copy_into(block, vals)
-    info["torchtitan"] = _version("torchtitan")
-    info["router_gate_dtype"] = str(block.router.gate.weight.dtype).replace("torch.", "")
-    return block.train(), info
-
-
-def _version(dist: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(dist)
-    except Exception as e:  # noqa: BLE001
-        return f"unavailable ({_err(e)})"
-
-
 def output_diff(y: torch.Tensor, y_ours: torch.Tensor) -> dict[str, float]:
     d = (y.detach().float() - y_ours.float()).abs()
     row = d.reshape(-1, d.shape[-1]).amax(-1)
@@ -686,7 +510,7 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, dtype: 
 
     if not args.skip_hf:
         for impl in [s.strip() for s in args.hf_impls.split(",") if s.strip()]:
-            peer(f"hf_{impl}", lambda src, impl=impl: hf_block(cfg, spec["hf"], impl, src, device, dtype))
+            peer(f"hf_{impl}", lambda src, impl=impl: hf_peer.moe_block(cfg, spec["hf"], impl, src, device, dtype))
     if not args.skip_torchtitan:
         try:
             importlib.import_module("torchtitan.models.common.moe")
@@ -696,8 +520,8 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, dtype: 
             for key in ("torchtitan", "torchtitan_forced"):
                 record(key, {"unavailable": _err(e)})
         if ok:
-            peer("torchtitan", lambda src: titan_block(cfg, src, device, dtype, forced=False))
-            peer("torchtitan_forced", lambda src: titan_block(cfg, src, device, dtype, forced=True), compare=False)
+            peer("torchtitan", lambda src: titan_peer.moe_block(cfg, src, device, dtype, forced=False))
+            peer("torchtitan_forced", lambda src: titan_peer.moe_block(cfg, src, device, dtype, forced=True), compare=False)
     rep["ratios"] = ratios(name, runs)
 
 
@@ -766,9 +590,7 @@ def table(shapes: dict[str, dict[str, Any]]) -> str:
                          _fmt(q.get(k, {}).get("/bare_routed+shared"), ".2f"), _fmt(r.get("peak_gib"), ".2f"),
                          _fmt(rt.get("max_over_mean"), ".2f"), _vs(r.get("vs_ours")),
                          note[:90]])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+    return md_table(head, rows)
 
 
 def targets(shapes: dict[str, dict[str, Any]]) -> str:
@@ -807,7 +629,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 (cuda), fp32 (cpu)")
     p.add_argument("--small", action="store_true", help="toy sizes of the three shapes (smoke test on CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="moe_layer_results.json")
+    p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.iters is None:
         args.iters = 3 if args.small else 20
@@ -834,14 +656,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     t_all = time.perf_counter()
     env = environment(device)
-    env["torchtitan"] = _version("torchtitan")
     report: dict[str, Any] = {"args": vars(args), "env": env, "shapes": {}}
     log(json.dumps(env))
 
     def save() -> None:
         report["total_wall_s"] = time.perf_counter() - t_all
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        save_result(args.out, report, "moe_layer")
 
     for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
         rep: dict[str, Any] = report["shapes"].setdefault(name, {})
@@ -864,7 +684,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     ok = all(not rep.get("error") and rep.get("numerics", {}).get("ok")
              and not any(r.get("error") for r in rep.get("runs", {}).values()) for rep in report["shapes"].values())
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,8 +10,8 @@ include the monitor's log steps (one in every ``--log-every``). Prints the step-
 writes JSON (``--out``).
 
 Run (repository root):
-    python bench/monitor_overhead.py --out bench/results/monitor_overhead_h200.json          # H200, a few minutes
-    python bench/monitor_overhead.py --device cpu --small --steps 6 --warmup 1 --log-every 2 --pairs 1 \\
+    python -m bench monitor_overhead --out bench/results/monitor_overhead_h200.json          # H200, a few minutes
+    python -m bench monitor_overhead --device cpu --small --steps 6 --warmup 1 --log-every 2 --pairs 1 \\
         --out /tmp/monitor_overhead_cpu.json                                                  # smoke test
 Other options (``--steps``, ``--warmup``, ``--seq-len``, ``--batch-size``, ``--layers``, ``--precision``, ...) are
 ``bench/train_step.py``'s.
@@ -19,19 +19,23 @@ Other options (``--steps``, ``--warmup``, ``--seq-len``, ``--batch-size``, ``--l
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python bench/monitor_overhead.py ...` runs `python -m bench monitor_overhead ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
+
 import argparse
 import importlib.util
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_step  # noqa: E402  (also puts the repository on sys.path and sets the device-machine NCCL policy)
-import torch  # noqa: E402
+import torch
+
+from bench import train_step
+from bench.core.schema import save as save_result
 
 
 def _logger_factory(kind: str, root: str) -> Any:
@@ -62,7 +66,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, ar
     p.add_argument("--log-every", type=int, default=10, help="the monitor's log_every_n_steps")
     have_wandb = importlib.util.find_spec("wandb") is not None and importlib.util.find_spec("PIL") is not None
     p.add_argument("--logger", choices=["wandb", "csv", "none"], default="wandb" if have_wandb else "csv")
-    p.add_argument("--out", default="monitor_overhead.json")
+    p.add_argument("--out", default="bench/results/monitor_overhead.json")
     own, rest = p.parse_known_args(argv)
     if "--steps" not in " ".join(rest):
         rest += ["--steps", "30"]
@@ -123,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report["errors"] = errors
     report["total_wall_s"] = time.perf_counter() - t_all
     Path(own.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(own.out).write_text(json.dumps(report, indent=2, default=str))
+    save_result(own.out, report, "monitor_overhead")
     train_step.log(f"\nLoadBalanceMonitor(log_every_n_steps={own.log_every}, heatmap, jsonl), logger {own.logger}, "
                    f"{own.pairs} pair(s) of {args.steps} steps ({args.warmup} untimed):")
     for key in ("mean_s", "median_s"):
@@ -135,7 +139,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         train_step.log("errors: " + "; ".join(errors))
     train_step.log(f"overhead {summary['overhead_pct']}% (target < 1%), ok={summary['ok']}; JSON: {own.out}")
     return 0 if summary["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

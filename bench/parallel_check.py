@@ -1,9 +1,9 @@
 """Multi-GPU check: a layout trains like one GPU on the same global batch.
 
-    python bench/parallel_check.py --layout none --out single.json                    # one GPU
-    torchrun --nproc_per_node 2 bench/parallel_check.py --layout ep=2 --out ep2.json
-    torchrun --nproc_per_node 2 bench/parallel_check.py --layout tp=2,ep=2,dp_shard=1 --out tp2ep2.json
-    python bench/parallel_check.py --compare single.json ep2.json tp2ep2.json         # table, 2% rule
+    python -m bench parallel_check --layout none --out single.json                    # one GPU
+    torchrun --nproc_per_node 2 -m bench parallel_check --layout ep=2 --out ep2.json
+    torchrun --nproc_per_node 2 -m bench parallel_check --layout tp=2,ep=2,dp_shard=1 --out tp2ep2.json
+    python -m bench parallel_check --compare single.json ep2.json tp2ep2.json         # table, 2% rule
 
 Tiny preset, fp32 ("32-true", so layout differences are rounding only), AdamW, the embedded corpus read in
 order (shuffle off): every layout sees the same global batch of ``--global-batch`` sequences per step.
@@ -11,15 +11,19 @@ order (shuffle off): every layout sees the same global batch of ``--global-batch
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python bench/parallel_check.py ...` runs `python -m bench parallel_check ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
+
 import argparse
 import json
 import os
-import sys
 import time
+from typing import Optional
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.core.env import environment
+from bench.core.schema import save as save_result
 
 
 def parse_layout(text: str) -> dict:
@@ -113,8 +117,7 @@ def run(args: argparse.Namespace) -> None:
         res = {"layout": args.layout + ("" if args.precision == "32-true" else f" {args.precision}"),
                "world": world, "losses": rec.losses,
                "tokens_per_s": tokens / (sum(timed) / len(timed)), "torch": torch.__version__}
-        with open(args.out, "w") as f:
-            json.dump(res, f)
+        save_result(args.out, {**res, "env": environment(), "args": vars(args)}, "parallel_check")
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
 
 
@@ -141,21 +144,18 @@ def compare(paths: list[str], tol: float) -> int:
     return 0 if ok else 1
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", default="none", help="e.g. 'ep=2' or 'tp=2,ep=2,dp_shard=1'; 'none' = one GPU")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--out", default="parallel_check.json")
+    p.add_argument("--out", default="bench/results/parallel_check.json")
     p.add_argument("--compare", nargs="+", help="JSON files, the first is the reference")
     p.add_argument("--tol", type=float, default=0.02)
     p.add_argument("--precision", default="32-true", help="Lightning precision (32-true compares rounding only)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test of this script)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.compare:
-        sys.exit(compare(args.compare, args.tol))
+        return compare(args.compare, args.tol)
     run(args)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -24,18 +24,23 @@ Time: runs go seed by seed (every mode of a seed, then the next seed), so a ``--
 leaves complete pairs; a run starts only if the slowest run so far still fits.
 
 GPU (one H200, seconds per run; repository root):
-    python bench/precision_seeds.py --seeds 5 --time-limit 420 --out bench/results/precision_seeds_h200.json
+    python -m bench precision_seeds --seeds 5 --time-limit 420 --out bench/results/precision_seeds_h200.json
 CPU (about 65-100 s a run on one thread of the 2-core box; 20 runs):
-    python bench/precision_seeds.py --device cpu --threads 1 --seeds 5 --out bench/results/precision_seeds_cpu.json
+    python -m bench precision_seeds --device cpu --threads 1 --seeds 5 --out bench/results/precision_seeds_cpu.json
 Seeds in parallel processes on one GPU (the tiny preset is launch-bound, so 5 processes share an H200 well; each
 child runs one seed's modes in order, then the parent merges their reports into one table):
-    python bench/precision_seeds.py --seeds 5 --jobs 5 --time-limit 400 --out bench/results/precision_seeds_h200.json
+    python -m bench precision_seeds --seeds 5 --jobs 5 --time-limit 400 --out bench/results/precision_seeds_h200.json
 Seeds split over calls (``--first-seed 3 --seeds 2``), one table:
-    python bench/precision_seeds.py --merge a.json b.json --out bench/results/precision_seeds_h200.json
+    python -m bench precision_seeds --merge a.json b.json --out bench/results/precision_seeds_h200.json
 Smoke test (tests/test_bench_precision.py): ``--device cpu --seeds 2 --steps 10 --last 3 --small``.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python bench/precision_seeds.py ...` runs `python -m bench precision_seeds ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
 
 import argparse
 import json
@@ -47,15 +52,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+
+from bench import train_step
+from bench.core.env import child_env
+from bench.core.schema import save as save_result
+from bench.low_precision import _moving_average, pyplot_or_csv
+
 _HERE = Path(__file__).resolve().parent
-for _p in (str(_HERE.parent), str(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import torch  # noqa: E402
-
-import train_step  # noqa: E402  (also sets the device machines' NCCL policy variables)
-from low_precision import _moving_average, pyplot_or_csv  # noqa: E402
 
 log = train_step.log
 TINY_YAML = _HERE.parent / "examples" / "configs" / "tiny.yaml"
@@ -319,8 +323,8 @@ def merge(paths: list[str], out: Path) -> int:
     summary = summarize(runs, modes)
     text = table(summary, modes, header)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"merged_from": paths, "summary": summary, "table": text, "runs": runs}, indent=2,
-                              default=str))
+    save_result(out, {"env": reports[0]["env"], "args": args, "merged_from": paths, "summary": summary,
+                      "table": text, "runs": runs}, "precision_seeds")
     out.with_suffix(".md").write_text(text + "\n")
     save_curves(runs, out, modes)
     log(text)
@@ -347,7 +351,7 @@ def run_parallel(args: argparse.Namespace, argv: list[str], t0: float) -> int:
                 next(it, None)
             continue
         keep.append(a)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     pending = list(range(args.first_seed, args.first_seed + args.seeds))
     running: list[tuple[int, Any, Path]] = []
     done: list[Path] = []
@@ -356,7 +360,7 @@ def run_parallel(args: argparse.Namespace, argv: list[str], t0: float) -> int:
         while pending and len(running) < args.jobs:
             seed = pending.pop(0)
             part = parts / f"seed{seed}.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--first-seed", str(seed), "--seeds", "1",
+            cmd = [sys.executable, "-m", "bench", "precision_seeds", "--first-seed", str(seed), "--seeds", "1",
                    "--out", str(part)] + keep
             if args.time_limit:
                 left = args.time_limit - (time.perf_counter() - t0) - 15  # the merge and the plot
@@ -416,7 +420,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["summary"] = summarize(runs, args.modes)
         report["table"] = table(report["summary"], args.modes, header)
         report["total_wall_s"] = time.perf_counter() - t0
-        out.write_text(json.dumps(report, indent=2, default=str))
+        save_result(out, report, "precision_seeds")
         out.with_suffix(".md").write_text(report["table"] + "\n")
 
     stopped = None
@@ -441,7 +445,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     log("\n" + report["table"])
     log(f"total wall time {report['total_wall_s']:.0f} s; {out} and {out.with_suffix('.md')}")
     return 0 if runs and all(r.get("final") is not None for r in runs) else 1
-
-
-if __name__ == "__main__":
-    train_step.run_cli(main)

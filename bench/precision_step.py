@@ -23,12 +23,17 @@ loss of the last ``--last`` 20 steps) within 1% of bf16-mixed's over the same st
 stops at the deadline (a cut convergence pair is compared at its common length and marked).
 
 GPU (one H200; repository root), with the DeepSeek-V3-shaped step of the same mode after it:
-    python bench/precision_step.py --out bench/results/precision_step_h200.json
+    python -m bench precision_step --out bench/results/precision_step_h200.json
 CPU smoke test (tests/test_bench_precision.py; tiny shapes, timings meaningless):
-    python bench/precision_step.py --smoke --out /tmp/ps.json
+    python -m bench precision_step --smoke --out /tmp/ps.json
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python bench/precision_step.py ...` runs `python -m bench precision_step ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
 
 import time
 
@@ -36,19 +41,14 @@ _T_START = time.perf_counter()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-_BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(_BENCH))
-sys.path.insert(0, str(_BENCH.parent))
-
 import torch  # noqa: E402
 
-import deepseek_v3_step as ds  # noqa: E402
-import precision_seeds  # noqa: E402
-import train_step as ts  # noqa: E402  (also sets the device machines' NCCL policy variables)
+from bench import deepseek_v3_step as ds, precision_seeds, train_step as ts  # noqa: E402
+from bench.core.device import GIB  # noqa: E402
+from bench.core.schema import save as save_result  # noqa: E402
 
 log = ts.log
 RUNS = {  # name -> (Lightning precision, MoELanguageModel master_dtype)
@@ -107,7 +107,7 @@ def report_text(report: dict[str, Any]) -> str:
              f"{report['args']['variant']}, device {report['env'].get('gpu', report['env']['device'])}"]
     if bw:
         lines.append(f"optimizer bound = bytes moved / measured copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s "
-                     f"(read + write of a {bw['tensor_bytes'] / ts.GIB:.2f} GiB copy)")
+                     f"(read + write of a {bw['tensor_bytes'] / GIB:.2f} GiB copy)")
     lines += ["", ds.table(report["runs"]), ""]
     lines += [r["skipped"] for r in report["runs"] if r.get("skipped")]
     if "speed" in c:
@@ -218,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if text is not None:
             report["table"] = text
             out.with_suffix(".log").write_text(text + "\n")
-        out.write_text(json.dumps(report, indent=2, default=str))
+        save_result(out, report, "precision_step")
 
     for name in args.runs:
         reason = budget.refusal(name)
@@ -239,7 +239,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     log("\n" + "=" * 100 + "\n" + text)
     ran = [r for r in report["runs"] if not r.get("skipped")]
     return 0 if ran and all(r.get("ok") for r in ran) else 1
-
-
-if __name__ == "__main__":
-    ts.run_cli(main)

@@ -9,28 +9,27 @@ printed next to ``torch.cuda.max_memory_allocated`` of the same forward, whose d
 besides saved tensors (the loss's transients, allocator rounding).
 
 Run (repository root):
-    python bench/saved_tensors.py --out bench/results/saved_tensors_h200.json     # H200: ~30 s
-    python bench/saved_tensors.py --device cpu --small                          # smoke test
+    python -m bench saved_tensors --out bench/results/saved_tensors_h200.json     # H200: ~30 s
+    python -m bench saved_tensors --device cpu --small                          # smoke test
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python bench/saved_tensors.py ...` runs `python -m bench saved_tensors ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
+
 import argparse
-import json
-import sys
 from collections import defaultdict
-from pathlib import Path
 from typing import Any, Optional
 
-_BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(_BENCH))
-sys.path.insert(0, str(_BENCH.parent))
+import torch
+import torch.utils._pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-import torch.utils._pytree  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-import train_step as ts  # noqa: E402
+from bench import train_step as ts
+from bench.core.schema import save as save_result
 
 
 class _Producers(TorchDispatchMode):
@@ -127,14 +126,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        out = {"environment": ts.environment(device), "tokens": tokens, "layers": cfg.num_layers,
+        out = {"env": ts.environment(device), "args": vars(args), "tokens": tokens, "layers": cfg.num_layers,
                "saved_bytes": total, "forward_peak_gib": peak, "allocated_before_gib": base,
-               "rows": [{"producer": op, "shape": shape, "dtype": dt, "bytes": b} for (op, shape, dt), b in rows],
+               "saved": [{"producer": op, "shape": shape, "dtype": dt, "bytes": b} for (op, shape, dt), b in rows],
                "table": table}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        save_result(args.out, out, "saved_tensors")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -78,13 +78,13 @@ adds ~20 s): a call that would still run past the limit skips its last runs (``s
 table), to be run again with only those layouts. ``--compare`` needs no GPU (run it anywhere on the fetched JSON files).
 
   2 x H200 (issue 12), three calls:
-    CUDA_VISIBLE_DEVICES=0 python bench/scale.py --model qwen3 --routing learned,forced \\
+    CUDA_VISIBLE_DEVICES=0 python -m bench scale --model qwen3 --routing learned,forced \\
         --out bench/results/scale_qwen3_w1.json                     # one-GPU reference: 2 runs, ~2-3 min
     torchrun --nproc_per_node 2 bench/scale.py --model qwen3 --layouts "ep=2" --routing learned,forced --peer \\
         --profile --out bench/results/scale_qwen3_w2_ep2.json       # ep=2 learned, the peer, ep=2 forced: ~4 min
     torchrun --nproc_per_node 2 bench/scale.py --model qwen3 --layouts "tp=2,ep=2;etp=2" --routing learned,forced \\
         --profile --out bench/results/scale_qwen3_w2_tp_etp.json    # 4 runs, ~5 min
-    python bench/scale.py --compare bench/results/scale_qwen3_w1.json bench/results/scale_qwen3_w2_*.json \\
+    python -m bench scale --compare bench/results/scale_qwen3_w1.json bench/results/scale_qwen3_w2_*.json \\
         --table-out bench/results/scale_w2.md
   4 x H200 (issue 15), two calls (the one-GPU reference file serves every world size; measure it again on the same
   machine with the first command above when the session has the time):
@@ -96,11 +96,11 @@ table), to be run again with only those layouts. ``--compare`` needs no GPU (run
     torchrun --nproc_per_node 8 bench/scale.py --model qwen3 --layouts "ep=8;tp=2,ep=8" --routing learned,forced \\
         --peer --profile --out bench/results/scale_qwen3_w8.json    # 4 runs + the peer, ~6 min; tp=2,ep=8 has
                                                                       # dp_shard=4 for attention, ep=8 for experts
-    CUDA_VISIBLE_DEVICES=0 python bench/scale.py --model deepseek_v3 --routing learned,forced \\
+    CUDA_VISIBLE_DEVICES=0 python -m bench scale --model deepseek_v3 --routing learned,forced \\
         --out bench/results/scale_dsv3_w1.json                      # one-GPU reference: 2 runs, ~3 min
     torchrun --nproc_per_node 8 bench/scale.py --model deepseek_v3 --layouts "ep=8" --routing learned,forced \\
         --profile --out bench/results/scale_dsv3_w8.json            # 2 runs, ~4 min
-    python bench/scale.py --compare bench/results/scale_*.json --table-out bench/results/scale.md
+    python -m bench scale --compare bench/results/scale_*.json --table-out bench/results/scale.md
 
   What a call prints: per run ``### run i: <model> | ours <layout> | routing <r> | <W> GPU(s) ...``, Lightning's and
   train_step.py's lines (the top-kernel table of the profiled steps with ``--profile``), then ``[<model> | ours <layout>
@@ -113,21 +113,22 @@ table), to be run again with only those layouts. ``--compare`` needs no GPU (run
 CPU smoke run (gloo, tiny configs of the presets' shapes, ~30 s on 2 cores; what ``tests/test_bench_scale.py`` runs):
     torchrun --standalone --nproc_per_node 2 bench/scale.py --device cpu --layouts "ep=2;tp=2,ep=2" --peer --profile \\
         --steps 3 --pg-timeout 60 --out /tmp/scale_w2.json
-    python bench/scale.py --device cpu --routing learned,forced --steps 3 --out /tmp/scale_w1.json
-    python bench/scale.py --compare /tmp/scale_w1.json /tmp/scale_w2.json
+    python -m bench scale --device cpu --routing learned,forced --steps 3 --out /tmp/scale_w1.json
+    python -m bench scale --compare /tmp/scale_w1.json /tmp/scale_w2.json
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python bench/scale.py ...` runs `python -m bench scale ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
 
 import time
 
 _T_START = time.perf_counter()  # the time limit covers the whole call, imports included
 
 import os  # noqa: E402
-
-# the device machines' policy (no NVLink SHARP / multicast), before torch and NCCL start; children inherit it
-POLICY_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(POLICY_ENV)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -140,16 +141,12 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Optional  # noqa: E402
 
-_BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(_BENCH))
-sys.path.insert(0, str(_BENCH.parent))
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import deepseek_v3_step as ds  # noqa: E402
-import train_step as ts  # noqa: E402
-from parallel_check import layout_dims, parse_layout  # noqa: E402
+from bench import deepseek_v3_step as ds, train_step as ts  # noqa: E402
+from bench.core.schema import save as save_result  # noqa: E402
+from bench.parallel_check import layout_dims, parse_layout  # noqa: E402
 
 MODELS = ("qwen3", "deepseek_v3")
 ROUTINGS = ("learned", "forced")
@@ -247,7 +244,7 @@ def parse_args(argv: Optional[list[str]] = None, world: Optional[int] = None) ->
     p.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout in seconds")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: gloo and tiny configs (a smoke test of every code path)")
-    p.add_argument("--out", default="scale.json")
+    p.add_argument("--out", default="bench/results/scale.json")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="merge these result files into the table and exit")
     p.add_argument("--table-out", default=None, help="with --compare: also write the markdown table here")
     p.add_argument("--analyse-trace", metavar="TRACE", help="print the all-to-all analysis of a Chrome trace and exit")
@@ -763,7 +760,7 @@ def run_all(args: argparse.Namespace, device: torch.device) -> int:
     def save() -> None:
         report["total_wall_s"] = budget.elapsed()
         if _RANK == 0:
-            out.write_text(json.dumps(report, indent=2, default=str))
+            save_result(out, report, "scale")
 
     label = model_label(args, cfg)
     for index, (kind, layout, routing) in enumerate(plan(args)):
@@ -815,7 +812,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    ts.run_cli(main)

@@ -17,182 +17,45 @@ What it does, in order (each part guarded: a failure is reported in the table an
    not already the default (``--hf-impls``). Only one model is alive at a time.
 4. A table and a JSON file (``--out``).
 
-MFU convention (model FLOPs, not hardware FLOPs; the same numerator for both implementations):
-    flops/token = 6 * N + 12 * L * H * K * S
-with N = active parameters that do matmuls (``config.count_params()["active"]`` minus the input-embedding table,
-which is a lookup; the lm_head is included; routed experts count top_k of E), L layers, H query heads, K head dim,
-S sequence length. The attention term is the usual non-causal count (PaLM / Megatron / torchtitan); a causal
-kernel does about half of it, so the JSON also gives ``mfu_causal`` with ``6 * L * H * K * S``.
+MFU convention: ``bench.core.flops`` (model FLOPs, the same numerator for both implementations).
 
 Run (repository root):
-    python bench/train_step.py                                   # the GPU benchmark (H200: a few minutes)
-    python bench/train_step.py --device cpu --small --steps 4 --warmup 1   # smoke test of the whole script
+    python -m bench train_step                                   # the GPU benchmark (H200: a few minutes)
+    python -m bench train_step --device cpu --small --steps 4 --warmup 1   # smoke test of the whole suite
 """
 
 from __future__ import annotations
 
-import os
+if __name__ == "__main__":  # `python bench/train_step.py ...` runs `python -m bench train_step ...`
+    from _script import run_as_suite
 
-# Required policy on the device machines (harmless on one GPU): no NVLink SHARP / multicast.
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    run_as_suite(__file__)
 
 import argparse
 import dataclasses
-import gc
 import json
-import math
-import platform
-import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
+import torch
 
-import torch  # noqa: E402
+from bench.core.device import allocated_gib, build_on, peak_gib, pick_device, reset_memory
+from bench.core.env import environment
+from bench.core.flops import flops_per_token, measure_matmul_peak, timing_summary
+from bench.core.schema import save as save_result
+from bench.core.text import err as _err, fmt as _fmt, log, md_table
+from bench.core.timer import StepTimer, Stopwatch, loss_checks
+from bench.peers.hf import plain_optimizer as hf_optimizer, qwen3_config as hf_config
 
-GIB = 1024**3
-
-
-def log(*a: Any) -> None:
-    print(*a, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reset_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_gib(device: torch.device) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) / GIB
-
-
-def allocated_gib(device: torch.device) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.memory_allocated(device) / GIB
-
-
-def measure_matmul_peak(device: torch.device) -> dict[str, Any]:
-    """FLOP/s of one large dense matmul: 8192^3 bf16 on CUDA; 1024^3 fp32 on CPU (only a placeholder there)."""
-    if device.type == "cuda":
-        n, dtype, iters = 8192, torch.bfloat16, 50
-    else:
-        n, dtype, iters = 1024, torch.float32, 5
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(5):
-        c = a @ b
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        c = a @ b
-    sync(device)
-    dt = (time.perf_counter() - t0) / iters
-    del a, b, c
-    reset_memory(device)
-    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "seconds": dt, "flops_per_s": 2 * n**3 / dt}
-
-
-def flops_per_token(cfg: Any, seq_len: int) -> dict[str, float]:
-    """Model FLOPs per token for a training step (forward + backward), see the module docstring."""
-    counts = cfg.count_params()
-    breakdown = cfg.param_breakdown()
-    embedding = breakdown.get("embedding", {}).get("active", 0)
-    # tied embeddings: the table is also the lm_head (a matmul), so nothing is subtracted
-    n_matmul = counts["active"] - (0 if cfg.tie_embeddings else embedding)
-    if cfg.attention == "mla":
-        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        attn_dim = (qk_dim + cfg.v_head_dim) / 2  # QK^T uses qk_dim, PV uses v_head_dim
-    else:
-        attn_dim = cfg.head_dim
-    attn = 12 * cfg.num_layers * cfg.num_heads * attn_dim * seq_len
-    return {
-        "params_total": counts["total"],
-        "params_active": counts["active"],
-        "params_active_matmul": n_matmul,
-        "flops_per_token": 6 * n_matmul + attn,
-        "flops_per_token_causal": 6 * n_matmul + attn / 2,
-    }
-
-
-def build_on(cls: Any, config: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """``cls(config)`` created on ``device`` with ``dtype`` as the default dtype (no fp32 copy on the host first)."""
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return cls(config)
-    finally:
-        torch.set_default_dtype(prev)
+DEFAULT_OUT = "bench/results/train_step.json"
 
 
 def cycle(loader: Any) -> Any:
     """The loader's batches epoch after epoch (a plain loop's view of Lightning's repeated epochs)."""
     while True:
         yield from loader
-
-
-def loss_checks(losses: list[float]) -> dict[str, Any]:
-    """Finite, and the mean of the last 5 (fewer for short runs) below the first."""
-    if not losses:
-        return {"finite": False, "falling": False, "ok": False, "note": "no losses recorded"}
-    finite = all(math.isfinite(x) for x in losses)
-    tail = losses[-min(5, max(1, len(losses) - 1)) :]
-    tail_mean = sum(tail) / len(tail)
-    falling = finite and len(losses) > 1 and tail_mean < losses[0]
-    return {"finite": finite, "falling": falling, "tail_mean": tail_mean, "ok": bool(finite and falling)}
-
-
-def timing_summary(step_times: list[float], warmup: int, tokens_per_step: int, fpt: Optional[dict],
-                   peak: Optional[dict]) -> dict[str, Any]:
-    timed = step_times[warmup:]
-    if not timed:
-        return {"timed_steps": 0, "note": f"no step after the {warmup} warmup steps"}
-    mean_t = sum(timed) / len(timed)
-    out: dict[str, Any] = {
-        "timed_steps": len(timed),
-        "step_time_mean_s": mean_t,
-        "step_time_median_s": statistics.median(timed),
-        "step_time_min_s": min(timed),
-        "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_step / mean_t,
-    }
-    if fpt is not None and peak is not None:
-        out["mfu"] = out["tokens_per_s"] * fpt["flops_per_token"] / peak["flops_per_s"]
-        out["mfu_causal"] = out["tokens_per_s"] * fpt["flops_per_token_causal"] / peak["flops_per_s"]
-        out["model_tflops_per_s"] = out["tokens_per_s"] * fpt["flops_per_token"] / 1e12
-    return out
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def run_cli(main: Callable[[], int]) -> None:
-    """A benchmark's command line: exits with ``main()``'s status; a ValueError (a user error) prints its message and
-    exits 2, not a traceback."""
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _ours_impl(model: Any, variant: str) -> str:
@@ -213,7 +76,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
              extra_callbacks: tuple = (), variant: str = "", logger: Any = False,
              module_kwargs: Optional[dict[str, Any]] = None, trainer_kwargs: Optional[dict[str, Any]] = None,
              data_kwargs: Optional[dict[str, Any]] = None, seed: int = 0,
-             module: Optional[Callable[[], Any]] = None) -> dict[str, Any]:
+             module: Optional[Callable[[], Any]] = None, deadline: Optional[float] = None) -> dict[str, Any]:
     """Train ``cfg`` through the Lightning Trainer and time it; ``strategy`` (default: Lightning's single-device
     strategy), ``extra_callbacks`` and ``logger`` (default: none) let other benchmarks (memory options, the routing
     monitor, the multi-GPU scaling) reuse the run. ``variant`` (see ``--ours-variants``): ``loss_impl`` name, optionally
@@ -221,32 +84,12 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     ``trainer_kwargs`` / ``data_kwargs`` override the ``MoELanguageModel`` / ``Trainer`` / ``TextDataModule`` arguments
     (e.g. the schedule, gradient clipping, ``max_time``); ``seed`` seeds the initialisation (``L.seed_everything``).
     ``module``: a factory of another LightningModule to train instead of ``MoELanguageModel(cfg)`` (``bench/scale.py``'s
-    transformers peer); the caller then sets its ``impl``."""
+    transformers peer); the caller then sets its ``impl``. ``deadline`` (a ``perf_counter()`` value, a suite's
+    ``--time-limit``): fit stops after the first step that ends past it."""
     import lightning as L
 
     from lightning_moe.data import TextDataModule
     from lightning_moe.module import MoELanguageModel
-
-    class StepRecorder(L.Callback):
-        """train_loss of every optimizer step and the wall time of every batch (fwd + bwd + optimizer)."""
-
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-            self.times: list[float] = []
-            self._t0 = 0.0
-            self.first_batch_checksum: Optional[int] = None
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if self.first_batch_checksum is None:
-                self.first_batch_checksum = int(batch["input_ids"].sum())
-            sync(device)
-            self._t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            sync(device)
-            self.times.append(time.perf_counter() - self._t0)
-            v = trainer.callback_metrics.get("train_loss")
-            self.losses.append(float("nan") if v is None else float(v))
 
     res: dict[str, Any] = {"model": label, "impl": "lightning_moe" if module is None else "other", "seq_len": seq_len,
                            "batch_size": batch_size, "steps": args.steps, "lr": lr}
@@ -255,7 +98,7 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     L.seed_everything(seed, verbose=False)
     reset_memory(device)
     t_start = time.perf_counter()
-    rec = StepRecorder()
+    rec = StepTimer(device, deadline=deadline)
     model = trainer = dm = None
     try:
         dm = TextDataModule(**{"seq_len": seq_len, "batch_size": batch_size, **(data_kwargs or {})})
@@ -304,6 +147,8 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
     res["losses"] = rec.losses
     res["step_times_s"] = rec.times
     res["first_batch_checksum"] = rec.first_batch_checksum
+    if rec.stopped_after is not None:
+        res["stopped_by_time_limit_after_steps"] = rec.stopped_after
     res["peak_gib"] = peak_gib(device)
     res.update(loss_checks(rec.losses))
     if "error" in res:
@@ -387,61 +232,6 @@ def step_profiler(start: int, n: int, trace: Path, on_trace: Optional[Callable[[
 
 
 # ------------------------------------------------------------------------------------------ transformers run
-def hf_config(cfg: Any, impl: str) -> Any:
-    from transformers import Qwen3MoeConfig
-
-    kw: dict[str, Any] = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.dense_hidden_size,
-        moe_intermediate_size=cfg.moe.expert_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        num_experts=cfg.moe.num_experts,
-        num_experts_per_tok=cfg.moe.top_k,
-        norm_topk_prob=cfg.moe.norm_topk_prob,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        router_aux_loss_coef=cfg.moe.aux_loss_coeff,
-        output_router_logits=True,
-        tie_word_embeddings=cfg.tie_embeddings,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    if impl != "default":
-        kw["experts_implementation"] = impl
-    try:  # transformers 5.x: rope_parameters; 4.x: rope_theta
-        hcfg = Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, **kw)
-    except TypeError:
-        hcfg = Qwen3MoeConfig(rope_theta=cfg.rope_theta, **kw)
-    rp = getattr(hcfg, "rope_parameters", None) or {}
-    theta = rp.get("rope_theta", getattr(hcfg, "rope_theta", None)) if isinstance(rp, dict) else None
-    if theta is not None and float(theta) != float(cfg.rope_theta):
-        raise ValueError(f"Qwen3MoeConfig took rope_theta={theta}, expected {cfg.rope_theta}")
-    return hcfg
-
-
-def hf_optimizer(model: Any, lr: float, steps: int, device: torch.device) -> tuple[Any, Any]:
-    """AdamW (fused on CUDA) and LR schedule of a plain-loop ``transformers`` model, as ``MoELanguageModel`` sets them
-    up: weight decay 0.1 except on 1-D parameters and the embedding table, betas 0.9/0.95, warmup 2 then cosine to
-    0.1x over ``steps``."""
-    from lightning_moe.module import warmup_cosine
-
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "embed_tokens" in name else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 2, max(steps, 1), 0.1))
-    return opt, sched
-
-
 def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.Namespace, lr: float,
            device: torch.device, peak: Optional[dict], impl: str, dtype: torch.dtype) -> dict[str, Any]:
     from lightning_moe.data import TextDataModule
@@ -493,17 +283,15 @@ def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.N
             if step == 0:
                 res["first_batch_checksum"] = int(batch["input_ids"].sum())
             input_ids = batch["input_ids"].to(device, non_blocking=True)
-            sync(device)
-            t0 = time.perf_counter()
-            out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
-            out.loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            aux = getattr(out, "aux_loss", None)
-            lm_loss = out.loss.detach() - (coef * aux.detach() if aux is not None else 0.0)
-            sync(device)
-            times.append(time.perf_counter() - t0)
+            with Stopwatch(device) as watch:
+                out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+                out.loss.backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                aux = getattr(out, "aux_loss", None)
+                lm_loss = out.loss.detach() - (coef * aux.detach() if aux is not None else 0.0)
+            times.append(watch.seconds)
             losses.append(float(lm_loss))
             del out, aux, lm_loss
             if step == 0 or step == args.steps - 1 or args.steps <= 10:
@@ -532,10 +320,6 @@ def run_hf(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse.N
 
 
 # ---------------------------------------------------------------------------------------------------- report
-def _fmt(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def _summary_line(r: dict[str, Any]) -> str:
     s = (f"[{r['model']} | {r['impl']}] tokens/s {_fmt(r.get('tokens_per_s'), ',.0f')}  "
          f"peak {_fmt(r.get('peak_gib'), '.2f')} GiB  MFU {_fmt(r.get('mfu'), '.1%')}  "
@@ -555,10 +339,7 @@ def print_table(results: list[dict[str, Any]]) -> str:
             _fmt(r.get("mfu"), ".1%"),
             f"{_fmt(r.get('loss_first'), '.3f')} -> {_fmt(r.get('loss_last'), '.3f')}", ok,
         ])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
-    return "\n".join(out)
+    return md_table(head, rows)
 
 
 def _why(r: dict[str, Any]) -> str:
@@ -611,7 +392,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true",
                    help="shrink the Qwen-shaped model (D 256, 8 experts top-2, F 128, vocab 1024, 2 layers, seq 128) "
                         "to test the script on CPU")
-    p.add_argument("--out", default="bench_results.json")
+    p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.seq_len is None:
         args.seq_len = 128 if args.small else 4096
@@ -634,29 +415,6 @@ def qwen_config(args: argparse.Namespace) -> Any:
             moe={"num_experts": 8, "top_k": 2, "expert_hidden_size": 128},
         )
     return ModelConfig.from_preset("qwen3_moe_30b_a3b", num_layers=args.layers)
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
-    for mod in ("lightning", "transformers"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001
-            env[mod] = f"unavailable ({_err(e)})"
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-    env["policy_env"] = {k: os.environ.get(k) for k in
-                         ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")}
-    return env
-
-
-def pick_device(name: str) -> Optional[torch.device]:
-    """The benchmark device for ``--device`` (None, with a message, when CUDA is asked for but absent)."""
-    if name == "cuda" and not torch.cuda.is_available():
-        log("--device cuda but CUDA is not available; use --device cpu")
-        return None
-    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -685,8 +443,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def save() -> None:
         report["ratios"] = ratios(runs)
         report["total_wall_s"] = time.perf_counter() - t_all
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        save_result(args.out, report, "train_step")
 
     if not args.skip_tiny:
         from lightning_moe.config import ModelConfig
@@ -739,7 +496,3 @@ def main(argv: Optional[list[str]] = None) -> int:
             + ("" if q["same_first_batch"] else "  (WARNING: the runs saw different first batches)"))
     log(f"total wall time {report['total_wall_s']:.0f}s; results in {args.out}")
     return 0 if all(r.get("ok") for r in runs) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

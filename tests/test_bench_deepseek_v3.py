@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _bench import has_transformers, load_bench
+from _bench import has_transformers
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "deepseek_v3_step.py"
+RUNNER = [sys.executable, "-m", "bench", "deepseek_v3_step"]
 
 
 def _has_transformers() -> bool:
@@ -25,14 +25,16 @@ def _has_transformers() -> bool:
 
 @pytest.fixture(scope="module")
 def ds():
-    """The script as a module (its NCCL policy variables undone)."""
-    return load_bench("deepseek_v3_step")
+    """The suite's module (importing it sets no environment variable)."""
+    import bench.deepseek_v3_step
+
+    return bench.deepseek_v3_step
 
 
 def test_smoke_run_of_the_whole_script(tmp_path):
     out = tmp_path / "ds.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--profile", "--out", str(out)], cwd=REPO, env=env,
+    proc = subprocess.run([*RUNNER, "--smoke", "--profile", "--out", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -110,7 +112,7 @@ def test_hf_loop_stops_at_the_deadline_and_optimizer_bytes(ds):
     cfg = ds.model_config(True)
     device = torch.device("cpu")
     torch.manual_seed(0)
-    model = ds.build_hf(cfg, device, torch.float32)
+    model = ds.deepseek_v3_model(cfg, device, torch.float32)
     opt, sched = ds.ts.hf_optimizer(model, args.lr, args.steps, device)
     res = {}
     losses, times = ds.hf_loop(model, opt, sched, args, device, 0.0, res)  # a deadline long past: one step only

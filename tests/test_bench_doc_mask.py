@@ -10,16 +10,17 @@ import sys
 from pathlib import Path
 
 import torch
-from _bench import load_bench
+
+import bench.doc_mask as dm
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "doc_mask.py"
+RUNNER = [sys.executable, "-m", "bench", "doc_mask"]
 
 
 def test_smoke_run_of_the_whole_script(tmp_path):
     out = tmp_path / "dm.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--impls", "sdpa", "--steps",
+    proc = subprocess.run([*RUNNER, "--device", "cpu", "--small", "--impls", "sdpa", "--steps",
                            "2", "--warmup", "1", "--max-tokens", "200000", "--profile", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -38,7 +39,6 @@ def test_smoke_run_of_the_whole_script(tmp_path):
 
 
 def test_plan_keeps_every_later_target_in_the_budget():
-    dm = load_bench("doc_mask")
     args = dm.parse_args(["--steps", "6", "--warmup", "2"])
     est = {"build_s": 30.0, "step_s": 0.5, "compile_s": 60.0}
     cases = ["qwen@4096", "qwen@16384", "dsv3@4096"]
@@ -51,7 +51,6 @@ def test_plan_keeps_every_later_target_in_the_budget():
 
 
 def test_rotation_times_every_kernel_on_the_same_batches():
-    dm = load_bench("doc_mask")
     batches = [{"input_ids": torch.full((1, 4), i), "position_ids": torch.zeros(1, 4)} for i in range(2)]
     repeated = dm.RepeatedBatches(batches, 3)
     got = list(repeated)
@@ -74,6 +73,5 @@ def test_rotation_times_every_kernel_on_the_same_batches():
 def test_work_fraction_counts_documents():
     """At 4096 tokens the embedded corpus's documents leave about 0.91 of the causal attention work (the issue's
     figure); a window of one document leaves all of it."""
-    dm = load_bench("doc_mask")
     w = dm.work_fraction(4096, max_tokens=2_000_000)
     assert 0.85 < w["fraction"] < 0.95 and w["docs_per_window"] > 1

@@ -5,15 +5,11 @@ to none's, the gradient comparison flags a wrong gradient, and --time-limit skip
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import memory  # noqa: E402
+from bench import memory
 
 
 def test_labels_parse_into_recompute_kinds_layers_and_offload():

@@ -17,7 +17,7 @@ def test_seed_study_smoke_run(tmp_path):
     pytest.importorskip("torchao", reason="the bf16 stochastic-rounding mode")
     out = tmp_path / "seeds.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "precision_seeds.py"), "--device", "cpu", "--threads",
+    proc = subprocess.run([sys.executable, "-m", "bench", "precision_seeds", "--device", "cpu", "--threads",
                            "1", "--seeds", "2", "--jobs", "2", "--steps", "10", "--last", "3", "--small", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -47,7 +47,7 @@ def test_precision_step_smoke_run(tmp_path):
     and the three comparisons in the report."""
     out = tmp_path / "ps.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "precision_step.py"), "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench", "precision_step", "--smoke", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -88,11 +88,10 @@ def test_optimizer_bytes_of_master_weights():
     the parameter's 2 written (the parameter itself is not read)."""
     import torch
 
-    from _bench import load_bench
 
     from lightning_moe.optim import MasterAdamW
 
-    ds = load_bench("deepseek_v3_step")
+    from bench import deepseek_v3_step as ds
     bf16 = torch.nn.Parameter(torch.randn(10, 3).bfloat16())
     fp32 = torch.nn.Parameter(torch.randn(7))
     opt = MasterAdamW([bf16, fp32], fused=False)
@@ -105,9 +104,8 @@ def test_optimizer_bytes_of_master_weights():
 
 def test_seed_study_merge_of_reports(tmp_path):
     """--merge puts seeds run in separate calls into one table, the same as one call's."""
-    from _bench import load_bench
 
-    ps = load_bench("precision_seeds")
+    from bench import precision_seeds as ps
     runs = []
     for seed in (0, 1):
         for mode, final in (("32-true", 2.0 + seed), ("bf16-true", 2.1 + seed), ("bf16-master", 2.01 + seed)):

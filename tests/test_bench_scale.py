@@ -15,10 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from _bench import has_transformers, load_bench
+from _bench import has_transformers
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "scale.py"
 POLICY = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -28,8 +27,10 @@ def _has_transformers() -> bool:
 
 @pytest.fixture(scope="module")
 def sc():
-    """The script as a module (its NCCL policy variables undone)."""
-    return load_bench("scale")
+    """The suite's module (importing it sets no environment variable)."""
+    import bench.scale
+
+    return bench.scale
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,10 @@ def smoke(tmp_path_factory):
         env.pop(k, None)
     common = ["--device", "cpu", "--steps", "3"]
     calls = {
-        "w2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
+        "w2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "bench", "scale",
                *common, "--layouts", "ep=2;tp=2,ep=2", "--routing", "learned", "--peer", "--profile",
                "--pg-timeout", "60", "--out", str(d / "w2.json")],
-        "w1": [sys.executable, str(SCRIPT), *common, "--routing", "learned,forced", "--no-shared-overlap",
+        "w1": [sys.executable, "-m", "bench", "scale", *common, "--routing", "learned,forced", "--no-shared-overlap",
                "--out", str(d / "w1.json")],
     }
     procs = {}

@@ -15,7 +15,7 @@ def test_smoke_run_trains_both_models(tmp_path):
     pytest.importorskip("transformers", reason="the transformers peer of the benchmark")
     out = tmp_path / "ts.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "train_step.py"), "--device", "cpu", "--small",
+    proc = subprocess.run([sys.executable, "-m", "bench", "train_step", "--device", "cpu", "--small",
                            "--skip-tiny", "--steps", "3", "--warmup", "1", "--ours-variants", "chunked",
                            "--hf-impls", "default", "--out", str(out)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
