@@ -23,12 +23,17 @@ GEMMs have no tensorwise variant (the experts run rowwise under ``fp8_tensorwise
 is always a complete, valid table (``complete`` false and ``not_run`` listing what did not).
 
 GPU (one H200, repository root; ~9 minutes; prints one line per shape and the table path):
-    python bench/fp8_crossover.py --time-limit 540
+    python -m bench fp8_crossover --time-limit 540
 CPU smoke test (emulated numerics, toy shapes, a table in /tmp; tests/test_fp8_crossover.py):
-    python bench/fp8_crossover.py --device cpu --emulate --small --out-dir /tmp/xo
+    python -m bench fp8_crossover --device cpu --emulate --small --out-dir /tmp/xo
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python bench/fp8_crossover.py ...` runs `python -m bench fp8_crossover ...`
+    from _script import run_as_suite
+
+    run_as_suite(__file__)
 
 import argparse
 import datetime
@@ -45,8 +50,6 @@ import torch
 from torch import nn
 
 _HERE = Path(__file__).resolve().parent
-if str(_HERE.parent) not in sys.path:
-    sys.path.insert(0, str(_HERE.parent))
 
 from lightning_moe.callbacks.low_precision import (  # noqa: E402
     ALWAYS_KEPT, RECIPES, LowPrecisionGroupedMM, LowPrecisionTraining)
@@ -234,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     table: dict[str, Any] = {
         "schema": SCHEMA, "arch": arch, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         **versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/fp8_crossover.py", *argv]), "emulate": args.emulate,
+        "command": " ".join(["python", "-m", "bench", "fp8_crossover", *argv]), "emulate": args.emulate,
         "dtype": str(dtype).removeprefix("torch."), "reps": args.reps, "warmup": args.warmup,
         "max_rows": args.max_rows, "min_speedup": args.min_speedup, "m_grid": m_grid, "presets": args.presets,
         "entries": [], "complete": False, "not_run": [], "errors": [],
@@ -312,7 +315,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     for err in table["errors"][:20]:
         log(f"  error: {err}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,6 +14,7 @@ SUITES: dict[str, str] = {
     "deepseek_v3_step": "DeepSeek-V3-shaped training step vs transformers' DeepseekV3ForCausalLM",
     "memory": "selective recomputation and activation offload: activation memory and step time",
     "low_precision": "FP8 / NVFP4 training: layer and step speed, convergence of every recipe",
+    "fp8_crossover": "FP8 vs bf16 GEMM (quantization included) per shape and M: the crossover table recipe='auto' reads",
     "doc_mask": "document-masked attention vs full causal attention in a training step",
     "checkpoint": "checkpoint save / resume: save stall, load time, the resumed run continues (torchrun)",
     "kernels_check": "fused MoE kernels against the PyTorch reference: correctness and speed",

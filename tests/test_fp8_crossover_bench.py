@@ -4,9 +4,7 @@ time limit that leaves no time still writes a valid, incomplete table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,14 +12,12 @@ from lightning_moe.lowp.crossover import SCHEMA, CrossoverTable, crossover_m
 
 pytest.importorskip("torchao.float8", reason="the fp8 dense linears use torchao (the ao extra)")
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "fp8_crossover.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_fp8_crossover", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import bench.fp8_crossover as mod
+
     return mod
 
 
@@ -33,7 +29,7 @@ def _run(bench, tmp_path, *extra):
 def test_small_sweep_writes_a_valid_table(bench, tmp_path, capsys):
     t = _run(bench, tmp_path)
     assert t["schema"] == SCHEMA and t["arch"] == "cpu" and t["emulate"] is True and t["complete"] is True
-    assert t["command"].startswith("python bench/fp8_crossover.py --device cpu") and t["torch"] and t["date"]
+    assert t["command"].startswith("python -m bench fp8_crossover --device cpu") and t["torch"] and t["date"]
     grid = t["m_grid"]
     assert grid == sorted(grid) and grid[0] == 64 and grid[-1] == 256
     assert all(b == 2 * a for a, b in zip(grid, grid[1:]))

@@ -36,7 +36,7 @@ __all__ = ["SCHEMA", "KINDS", "Gemm", "CrossoverTable", "crossover_m", "device_a
 
 SCHEMA = 1
 KINDS = ("dense", "grouped")
-BENCH_COMMAND = "python bench/fp8_crossover.py --time-limit 540"
+BENCH_COMMAND = "python -m bench fp8_crossover --time-limit 540"
 
 
 @dataclass(frozen=True)
