@@ -14,10 +14,10 @@ Usage (a multi-rank test)::
 Ranks are started with torch.multiprocessing (not Lightning's launcher, which re-executes sys.argv and would
 re-run pytest). Process groups get a short timeout so a deadlock fails within a minute; ``timeout`` bounds the whole
 call. Every call gets fresh rank processes (no state carries from one test to the next), forked from a
-"forkserver" process that imported torch, lightning and lightning_moe (and what ranks import lazily, ``WARM``) once for
-the whole session: importing them
-takes 6-13 s a process on a 2-core machine, forking a warm process well under one. Each rank gets the caller's
-os.environ at the time of the call (the server's own was fixed when it started), then the rank variables.
+"forkserver" process that imported torch, lightning and lightning_moe (and what ranks import lazily, ``WARM``) once
+for the whole session: importing them takes 6-13 s a process on a 2-core machine, forking a warm process well under
+one. Each rank gets the caller's os.environ at the time of the call (the server's own was fixed when it started),
+then the rank variables.
 Tests that use this launcher are marked ``dist`` (tests/conftest.py).
 """
 
