@@ -233,6 +233,7 @@ def test_data_files_takes_one_path_a_directory_or_a_list(tmp_path):
         assert cli.datamodule.files == files
 
 
+@pytest.mark.slow  # 10 CPU s: two fits, a tokenizer trained, generate and predict
 def test_own_data_with_a_local_hf_tokenizer(tmp_path, capsys):
     """docs/own_data.md: compressed JSON Lines in a directory, a local Hugging Face tokenizer, the model's vocabulary
     raised from the command line."""
