@@ -14,9 +14,10 @@ Usage (a multi-rank test)::
 Ranks are started with torch.multiprocessing (not Lightning's launcher, which re-executes sys.argv and would
 re-run pytest). Process groups get a short timeout so a deadlock fails within a minute; ``timeout`` bounds the whole
 call. Every call gets fresh rank processes (no state carries from one test to the next), forked from a
-"forkserver" process that imported torch, lightning and lightning_moe once for the whole session: importing them
-takes 6-13 s a process on a 2-core machine, forking a warm process well under one. Each rank gets the caller's
-os.environ at the time of the call (the server's own was fixed when it started), then the rank variables.
+"forkserver" process that imported torch, lightning and lightning_moe (and what ranks import lazily, ``WARM``) once
+for the whole session: importing them takes 6-13 s a process on a 2-core machine, forking a warm process well under
+one. Each rank gets the caller's os.environ at the time of the call (the server's own was fixed when it started),
+then the rank variables.
 Tests that use this launcher are marked ``dist`` (tests/conftest.py).
 """
 
@@ -38,6 +39,10 @@ import torch.multiprocessing as mp
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 # imported once by the fork server; every rank is forked from it. (transformers: test_hf's workers need it.)
 PRELOAD = ("torch", "lightning", "lightning_moe", "transformers")
+# also imported by the fork server (not checked, an ImportError is ignored): what a rank's first Trainer run or
+# checkpoint imports lazily, 1-2 s of every fresh rank process otherwise
+WARM = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+        "torch.distributed.elastic.multiprocessing.errors", "lightning_moe.data", "lightning_moe.parallel.context_parallel")
 
 _ctx = None
 
@@ -46,7 +51,7 @@ def _context() -> Any:
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(list(PRELOAD))
+        _ctx.set_forkserver_preload(list(PRELOAD + WARM))
     return _ctx
 
 

@@ -1,8 +1,8 @@
 """Writer side of tests/test_checkpoint_kill.py: saves killed at every filesystem step, in turn.
 
-``python tests/_kill_save.py OUT`` imports torch and Lightning once and then forks one child per run, before any
-process group exists (a forked gloo group has lost its worker threads). Each child initialises its own one-rank
-group, trains the tiny model and saves through ``MoEParallelStrategy``:
+``python tests/_kill_save.py OUT`` imports torch and Lightning once and then forks one child per run (two at a
+time: they are independent), before any process group exists (a forked gloo group has lost its worker threads).
+Each child initialises its own one-rank group, trains the tiny model and saves through ``MoEParallelStrategy``:
 
 * a template child per scenario writes the previous checkpoint (after step 1) into ``OUT/SCENARIO/template``;
   the sync one also records the full weights after steps 1 and 2 and the losses of steps 1-3;
@@ -18,6 +18,7 @@ a versioned directory, ``legacy`` (sync, over a plain directory as written befor
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -44,6 +45,8 @@ SCENARIOS = {"sync": {}, "async": {"async_save": True}, "legacy": {},
              "file": {"save_distributed_checkpoint": False}}
 FS_STEPS = ("mkdir", "rename", "replace", "symlink", "unlink", "remove", "rmdir", "fsync")
 MAX_STEPS = 200  # a save with more steps than this is a bug of its own
+# children at once: the kill runs are independent (a folder each); one thread each
+PARALLEL = max(1, min(2, os.cpu_count() or 1))
 
 
 def arm_kill(n: int) -> None:
@@ -101,24 +104,42 @@ def _child(scenario: str, folder: Path, save_at: int, steps: int, kill_at: Optio
         torch.save({"losses": run.losses, "states": run.states}, record)
 
 
-def _fork(*args: Any) -> str:
-    """Run _child in a forked process: "done", "killed" or raise with the child's traceback."""
-    err = Path(f"{args[1]}.err")
+def _start(*args: Any) -> int:
+    """Fork a child running _child(*args); its pid."""
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             _child(*args)
         except BaseException:
-            err.write_text(traceback.format_exc())
+            Path(f"{args[1]}.err").write_text(traceback.format_exc())
             code = 1
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    return pid
+
+
+def _outcome(status: int, args: tuple) -> str:
+    """"done", "killed" or raise with the child's traceback."""
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
         return "killed"
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
         return "done"
+    err = Path(f"{args[1]}.err")
     raise RuntimeError(f"child {args} failed ({status}):\n{err.read_text() if err.exists() else ''}")
+
+
+def _run_all(jobs: Any, parallel: int) -> None:
+    """Run the children ``jobs()`` hands out, ``parallel`` at a time; ``jobs()`` returns (args, callback) or None
+    (nothing to start now), and each callback gets its child's outcome."""
+    running: dict[int, tuple] = {}
+    while True:
+        while len(running) < parallel and (job := jobs()) is not None:
+            running[_start(*job[0])] = job
+        if not running:
+            return
+        pid, status = os.waitpid(-1, 0)
+        args, callback = running.pop(pid)
+        callback(_outcome(status, args))
 
 
 def _to_legacy(template: Path) -> None:
@@ -130,26 +151,51 @@ def _to_legacy(template: Path) -> None:
 
 
 def main(out: Path) -> None:
+    """Every scenario's template, then its kill children n = 1, 2, ... until one completes; the children run
+    ``PARALLEL`` at a time (each on one thread), several scenarios and several n at once."""
     manifest: dict[str, Any] = {"record": str(out / "record.pt"), "scenarios": {}}
-    for scenario in SCENARIOS:
-        base = out / scenario
-        template = base / "template"
-        template.mkdir(parents=True)
-        record = out / "record.pt" if scenario == "sync" else None
-        assert _fork(scenario, template, 1, 3, None, record) == "done"
+    outcomes: dict[str, dict[int, str]] = {s: {} for s in SCENARIOS}
+    state = {s: "template" for s in SCENARIOS}  # -> "template running" -> "kills" -> "finished"
+    next_n = dict.fromkeys(SCENARIOS, 1)
+
+    def template_done(scenario: str, outcome: str) -> None:
+        assert outcome == "done", scenario
         if scenario == "legacy":
-            _to_legacy(template)
-        runs = []
-        for n in range(1, MAX_STEPS + 1):
-            folder = base / str(n)
-            shutil.copytree(template, folder, symlinks=True)
-            outcome = _fork(scenario, folder, 2, 2, n, None)
-            runs.append({"n": n, "path": str(folder / NAME), "outcome": outcome})
-            if outcome == "done":
-                break
-        else:
-            raise RuntimeError(f"{scenario}: the save still had filesystem steps left after {MAX_STEPS}")
-        manifest["scenarios"][scenario] = {"template": str(template / NAME), "runs": runs}
+            _to_legacy(out / scenario / "template")
+        state[scenario] = "kills"
+
+    def kill_done(scenario: str, n: int, outcome: str) -> None:
+        outcomes[scenario][n] = outcome
+        first_done = min((k for k, o in outcomes[scenario].items() if o == "done"), default=None)
+        # done once every n up to the first completed save has its outcome (the first complete save ends the list)
+        if first_done is not None and all(k in outcomes[scenario] for k in range(1, first_done)):
+            state[scenario] = "finished"
+
+    def jobs() -> Any:
+        for scenario in SCENARIOS:
+            base = out / scenario
+            if state[scenario] == "template":
+                state[scenario] = "template running"
+                (base / "template").mkdir(parents=True)
+                record = out / "record.pt" if scenario == "sync" else None
+                return (scenario, base / "template", 1, 3, None, record), functools.partial(template_done, scenario)
+            if state[scenario] == "kills" and not any(o == "done" for o in outcomes[scenario].values()):
+                n = next_n[scenario]
+                if n > MAX_STEPS:
+                    raise RuntimeError(f"{scenario}: the save still had filesystem steps left after {MAX_STEPS}")
+                next_n[scenario] = n + 1
+                folder = base / str(n)
+                shutil.copytree(base / "template", folder, symlinks=True)
+                return (scenario, folder, 2, 2, n, None), functools.partial(kill_done, scenario, n)
+        return None
+
+    _run_all(jobs, PARALLEL)
+    for scenario in SCENARIOS:
+        assert state[scenario] == "finished", (scenario, state[scenario], outcomes[scenario])
+        first_done = min(k for k, o in outcomes[scenario].items() if o == "done")
+        runs = [{"n": n, "path": str(out / scenario / str(n) / NAME), "outcome": outcomes[scenario][n]}
+                for n in range(1, first_done + 1)]
+        manifest["scenarios"][scenario] = {"template": str(out / scenario / "template" / NAME), "runs": runs}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 

@@ -4,10 +4,14 @@
   group: ``run_distributed`` (tests/_dist.py) or torchrun (``torch.distributed.run``). Set here, from the module's
   source (``_reaches``): nothing to write in a new multi-rank test.
 - ``slow``: over ~5 CPU seconds of the test process (setup included). Set here for tests that start a Python
-  subprocess (a fresh interpreter imports torch + lightning for 6-13 s); written as ``@pytest.mark.slow`` on others.
+  subprocess (a fresh interpreter imports torch + lightning for 6-13 s) or reach a job of the second lane
+  (tests/_lane.py); written as ``@pytest.mark.slow`` on others.
 - ``bench``: the tests of a ``bench/`` script (the modules named ``test_*bench*``). Set here.
 - ``quick``: everything else; ``python -m pytest -m quick`` is the developer's quick tier, plain ``python -m pytest``
   the full suite (CI). A run's summary gives the quick tests' CPU time and lists those over ``QUICK_LIMIT_S``.
+
+The tests that reach a job of the second lane (tests/_lane.py: subprocess work that runs beside the rest of the
+suite) run after all the others, and the lane starts the selected tests' jobs before the first test.
 """
 
 import ast
@@ -28,6 +32,8 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 
 import pytest  # noqa: E402
+
+import _lane  # noqa: E402
 
 QUICK_LIMIT_S = 5.0
 DIST_NAMES = {"run_distributed"}
@@ -70,19 +76,44 @@ def _reaches(item: pytest.Item) -> set:
     return mentioned
 
 
+_lane_jobs: dict[str, list] = {}  # node id -> the lane jobs the test reaches
+
+
+def _jobs(item: pytest.Function, mentioned: set) -> list:
+    return [getattr(item.module, n) for n in sorted(mentioned) if _lane.is_job(getattr(item.module, n, None))]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not isinstance(item, pytest.Function):
             continue
         mentioned = _reaches(item)
+        jobs = _jobs(item, mentioned)
+        if jobs:
+            _lane_jobs[item.nodeid] = jobs
         if mentioned & DIST_NAMES or any(s in m for m in mentioned for s in DIST_STRINGS):
             item.add_marker(pytest.mark.dist)
-        if mentioned & SUBPROCESS_NAMES:
+        if mentioned & SUBPROCESS_NAMES or jobs:
             item.add_marker(pytest.mark.slow)
         if "bench" in item.path.stem:
             item.add_marker(pytest.mark.bench)
         if not any(item.get_closest_marker(m) for m in ("dist", "slow", "bench")):
             item.add_marker(pytest.mark.quick)
+    # the tests that wait for the lane last (stable otherwise): the lane works while the others run
+    items[:] = [i for i in items if i.nodeid not in _lane_jobs] + [i for i in items if i.nodeid in _lane_jobs]
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    jobs = []
+    for item in session.items:
+        jobs += [j for j in _lane_jobs.get(item.nodeid, ()) if j not in jobs]
+    _lane.start(jobs, owner=session)
+
+
+def pytest_sessionfinish(session):
+    _lane.stop(owner=session)
 
 
 _quick_cpu_s: dict[str, float] = {}

@@ -5,7 +5,6 @@ run order, time budget and optimizer byte count."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _lane as lane
 from _bench import has_transformers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,11 +31,16 @@ def ds():
     return bench.deepseek_v3_step
 
 
-def test_smoke_run_of_the_whole_script(tmp_path):
-    out = tmp_path / "ds.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([*RUNNER, "--smoke", "--profile", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+@lane.job
+def _smoke(tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp / "ds.json"
+    env = dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return lane.run([*RUNNER, "--smoke", "--profile", "--out", str(out)], cwd=REPO, env=env,
+                    timeout=300), out
+
+
+def test_smoke_run_of_the_whole_script():
+    proc, out = lane.result(_smoke)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     ours, hf = report["runs"]  # the peer runs right after the first variant of ours

@@ -4,25 +4,30 @@ kernels), and in process its run order and the attention-work fraction."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+import _lane as lane
 import bench.doc_mask as dm
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = [sys.executable, "-m", "bench", "doc_mask"]
 
 
-def test_smoke_run_of_the_whole_script(tmp_path):
-    out = tmp_path / "dm.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([*RUNNER, "--device", "cpu", "--small", "--impls", "sdpa", "--steps",
-                           "2", "--warmup", "1", "--max-tokens", "200000", "--profile", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+@lane.job
+def _smoke(tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp / "dm.json"
+    env = dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return lane.run([*RUNNER, "--device", "cpu", "--small", "--impls", "sdpa", "--steps",
+                     "2", "--warmup", "1", "--max-tokens", "200000", "--profile", "--out", str(out)],
+                    cwd=REPO, env=env, timeout=600), out
+
+
+def test_smoke_run_of_the_whole_script():
+    proc, out = lane.result(_smoke)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     runs = {(r["case"], r["kernel"]): r for r in report["runs"]}

@@ -9,17 +9,23 @@ from pathlib import Path
 
 import pytest
 
+import _lane as lane
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_seed_study_smoke_run(tmp_path):
-    """Through ``--jobs 2``: each seed in its own child process (the sequential study), merged into one report."""
+@lane.job
+def _seed_study(tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp / "seeds.json"
+    env = dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return lane.run([sys.executable, str(REPO / "bench" / "precision_seeds.py"), "--device", "cpu", "--threads",
+                     "1", "--seeds", "2", "--steps", "10", "--last", "3", "--small", "--out", str(out)],
+                    cwd=REPO, env=env, timeout=600), out
+
+
+def test_seed_study_smoke_run():
     pytest.importorskip("torchao", reason="the bf16 stochastic-rounding mode")
-    out = tmp_path / "seeds.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "bench", "precision_seeds", "--device", "cpu", "--threads",
-                           "1", "--seeds", "2", "--jobs", "2", "--steps", "10", "--last", "3", "--small", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc, out = lane.result(_seed_study)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     modes = ["32-true", "bf16-true", "bf16-master", "bf16-sr"]
@@ -42,13 +48,18 @@ def test_seed_study_smoke_run(tmp_path):
     assert md.count("\n| ") == 5 and "bf16-master" in md and "paired diff" in md
 
 
+@lane.job
+def _precision_step(tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp / "ps.json"
+    env = dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return lane.run([sys.executable, str(REPO / "bench" / "precision_step.py"), "--smoke", "--out", str(out)],
+                    cwd=REPO, env=env, timeout=600), out
+
+
 def test_precision_step_smoke_run(tmp_path):
     """bench/precision_step.py on CPU: the three runs from one init, each with its optimizer step against its bound,
     and the three comparisons in the report."""
-    out = tmp_path / "ps.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "bench", "precision_step", "--smoke", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc, out = lane.result(_precision_step)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     runs = {r["run"]: r for r in report["runs"]}
@@ -75,7 +86,8 @@ def test_precision_step_smoke_run(tmp_path):
         parts.append(tmp_path / f"part{i}.json")
         parts[-1].write_text(json.dumps({**report, "runs": [runs[n] for n in names]}))
     merged_out = tmp_path / "merged.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "precision_step.py"), "--smoke", "--merge",
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "bench", "precision_step", "--smoke", "--merge",
                            *map(str, parts), "--out", str(merged_out)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -6,15 +6,16 @@ the argument checks, the run order, the time limit and the deadline callback."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import _lane as lane
 from _bench import has_transformers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,12 +34,11 @@ def sc():
     return bench.scale
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+@lane.job
+def _smoke(d: Path, env: dict) -> dict:
     """Both calls at once (the 2-rank one leaves a core idle much of the time): the torchrun call with two layouts,
     the peer and --profile, and the one-process reference with learned and forced routing."""
-    d = tmp_path_factory.mktemp("scale")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **POLICY)
+    env = dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **POLICY)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     common = ["--device", "cpu", "--steps", "3"]
@@ -50,25 +50,33 @@ def smoke(tmp_path_factory):
                "--out", str(d / "w1.json")],
     }
     procs = {}
-    for name, cmd in calls.items():  # output to files: a full pipe would block a rank
-        log = open(d / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-    deadline = time.monotonic() + 240
-    for name, (p, log) in procs.items():
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        log.close()
+
+    def call(name: str) -> None:  # output to a file: a full pipe would block a rank
+        with open(d / f"{name}.log", "w") as log:
+            try:
+                procs[name] = lane.run(calls[name], cwd=REPO, env=env, timeout=240, stdout=log,
+                                       stderr=subprocess.STDOUT).returncode
+            except subprocess.TimeoutExpired:
+                procs[name] = "timed out after 240 s"
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     out = {}
-    for name, (p, _) in procs.items():
+    for name in calls:
         text = (d / f"{name}.log").read_text()
-        assert p.returncode == 0, f"{name} exited {p.returncode}:\n{text[-6000:]}"
+        assert procs[name] == 0, f"{name} exited {procs[name]}:\n{text[-6000:]}"
         out[name] = json.loads((d / f"{name}.json").read_text())
         out[name + "_log"] = text
     out["dir"] = d
     return out
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return lane.result(_smoke)
 
 
 def _rows(table: str) -> list[dict[str, str]]:

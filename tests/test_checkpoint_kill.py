@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 
+import _lane as lane
 from _dist import run_distributed
 from parallel_harness import GLOBAL_BATCH, FixedData, small_config
 
@@ -31,17 +31,20 @@ from lightning_moe.generation import load_for_generation
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def kills(tmp_path_factory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("kill")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(HERE / "_kill_save.py"), str(out)], env=env, capture_output=True,
-                          text=True, timeout=900)
+@lane.job
+def _kill_writer(out: Path, env: dict) -> dict[str, Any]:
+    env = {**env, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])}
+    done = lane.run([sys.executable, str(HERE / "_kill_save.py"), str(out)], env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-5000:]
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["record"] = torch.load(manifest["record"], weights_only=True)
     return manifest
+
+
+@pytest.fixture(scope="module")
+def kills() -> dict[str, Any]:
+    return lane.result(_kill_writer)
 
 
 def _read(scenario: str, path: str) -> tuple[int, dict[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ import yaml
 
 
 from lightning_moe.config import ModelConfig, preset_names
+import _lane as lane
 from _cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,14 +189,19 @@ def test_user_errors_are_one_line_and_exit_2(args, expected, tmp_path, capsys):
     assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
 
 
-def test_fit_unknown_preset_exits_2_in_a_real_process(tmp_path):
-    # a real process: the exit code and the message a user sees
-    proc = subprocess.run(
+@lane.job
+def _unknown_preset(tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    proc = lane.run(
         [sys.executable, "-m", "lightning_moe.cli", "fit", "--config", TINY, "--model.config=deepseek_v9",
-         "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+         "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp}"],
+        timeout=300, cwd=str(tmp), env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )
+    return proc, tmp
+
+
+def test_fit_unknown_preset_exits_2_in_a_real_process():
+    # a real process: the exit code and the message a user sees
+    proc, tmp_path = lane.result(_unknown_preset)
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -227,6 +233,7 @@ def test_data_files_takes_one_path_a_directory_or_a_list(tmp_path):
         assert cli.datamodule.files == files
 
 
+@pytest.mark.slow  # 10 CPU s: two fits, a tokenizer trained, generate and predict
 def test_own_data_with_a_local_hf_tokenizer(tmp_path, capsys):
     """docs/own_data.md: compressed JSON Lines in a directory, a local Hugging Face tokenizer, the model's vocabulary
     raised from the command line."""
@@ -372,17 +379,23 @@ NOISE = ["args parameter is intended", "💡 Tip", "skip_none", "tensorboardX", 
          "DTensor random operators", "smaller than the logging interval"]
 
 
-def test_tiny_cpu_ep2_example_runs_quietly(tmp_path):
-    """The two-process CPU example trains for a few steps, as a user runs it (Lightning starts the second process),
-    without third-party noise."""
+@lane.job
+def _tiny_cpu_ep2(tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, Path]:
     example = ROOT / "examples" / "configs" / "tiny_cpu_ep2.yaml"
-    proc = subprocess.run(
+    proc = lane.run(
         [sys.executable, "-m", "lightning_moe.cli", "fit", "--config", str(example), "--trainer.max_steps", "3",
          "--data.max_tokens=40000", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3",
-         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"],
-        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"},
+         f"--trainer.default_root_dir={tmp}", "--trainer.enable_progress_bar=false"],
+        timeout=300, cwd=str(tmp),
+        env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"},
     )
+    return proc, tmp
+
+
+def test_tiny_cpu_ep2_example_runs_quietly():
+    """The two-process CPU example trains for a few steps, as a user runs it (Lightning starts the second process),
+    without third-party noise."""
+    proc, tmp_path = lane.result(_tiny_cpu_ep2)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in out

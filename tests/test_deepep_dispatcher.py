@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 import types
@@ -36,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _lane as lane
 from _dist import run_distributed
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.dispatch import deepep
@@ -380,16 +380,21 @@ def test_layer_deepep_equals_alltoall():
     assert run_distributed(_layer_worker, 2) is True
 
 
-def test_bench_script_cpu_smoke(tmp_path):
+@lane.job
+def _bench_smoke(tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp / "deepep_check.json"
+    env = dict(env, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    return lane.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                     str(repo / "bench" / "deepep_check.py"), "--cpu", "--small", "--shapes", "deepseek_v3",
+                     "--routing", "learned", "--iters", "1", "--warmup", "1", "--out", str(out)],
+                    cwd=repo, env=env, timeout=300), out
+
+
+def test_bench_script_cpu_smoke():
     """bench/deepep_check.py (the GPU check a later session runs) on 2 gloo ranks with FakeBuffer: it runs, and its
     check passes."""
-    repo = Path(__file__).resolve().parent.parent
-    out = tmp_path / "deepep_check.json"
-    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(repo / "bench" / "deepep_check.py"), "--cpu", "--small", "--shapes", "deepseek_v3",
-                           "--routing", "learned", "--iters", "1", "--warmup", "1", "--out", str(out)],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    proc, out = lane.result(_bench_smoke)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (res,) = json.loads(out.read_text())["results"]
     assert res["check"]["ok"] and set(res["runs"]) == {"alltoall", "deepep"}, res

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import _lane as lane
+
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_moe"
 
 
@@ -129,13 +131,17 @@ sys.exit(1 if failed else 0)
 """
 
 
+@lane.job
+def _import_each(tmp: Path, env: dict) -> subprocess.CompletedProcess:
+    modules = sorted(import_graph(PACKAGE))
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), env.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    return lane.run([sys.executable, "-c", _IMPORT_EACH, *modules], env=env, timeout=600)
+
+
 def test_each_module_imports_first_in_a_fresh_interpreter():
     """Each module imported first in one fresh interpreter (lightning_moe's modules dropped before each: one
     interpreter per module would take minutes on this machine), so that no module works only when another happened
     to be imported before it."""
-    modules = sorted(import_graph(PACKAGE))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *modules], capture_output=True, text=True, env=env,
-                         timeout=600)
+    out = lane.result(_import_each)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -13,15 +13,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import subprocess
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import _lane as lane
 from _dist import run_distributed
 from _memory import gqa_config, reference_model, step, tokens
 from lightning_moe.callbacks import LowPrecisionTraining
@@ -531,19 +534,28 @@ def test_distributed_checkpoint_with_the_callback_is_plain_and_loads_without_it(
         assert torch.equal(model.state_dict()[k], v), k
 
 
+@lane.job
+def _torchao_imports(tmp: Path, env: dict) -> dict[str, subprocess.CompletedProcess]:
+    """The plain torchao import (the control), and, if it logs, torchao imported after the callback."""
+    runs = {"plain": lane.run([sys.executable, "-c", "import torchao.float8"], env=env, timeout=300)}
+    if runs["plain"].returncode == 0 and "Failed to load" in runs["plain"].stderr:
+        code = "import lightning_moe.callbacks.low_precision, torchao.float8, torchao.prototype.moe_training"
+        runs["callback"] = lane.run([sys.executable, "-c", code], env=env, timeout=300)
+    return runs
+
+
 def test_importing_torchao_through_the_callback_prints_nothing():
     """torchao's import logs a "Failed to load" line for every prebuilt kernel library this machine cannot load, and
     torch 2.13 a deprecation note about its enums: neither reaches the console of a run that uses the callback."""
-    import subprocess
-
     pytest.importorskip("torchao")
 
-    def stderr_of(code: str) -> str:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    def stderr_of(run: str) -> str:
+        done = runs[run]
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stderr
 
-    if "Failed to load" not in stderr_of("import torchao.float8"):  # the control: the plain import
+    runs = lane.result(_torchao_imports)
+    if "Failed to load" not in stderr_of("plain"):  # the control: the plain import
         pytest.skip("torchao loads every kernel library on this machine: nothing to quiet")
-    err = stderr_of("import lightning_moe.callbacks.low_precision, torchao.float8, torchao.prototype.moe_training")
+    err = stderr_of("callback")
     assert "Failed to load" not in err and "Enum subclass" not in err, err[-2000:]
