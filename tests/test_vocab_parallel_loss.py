@@ -6,8 +6,8 @@ equal one process to fp32 rounding, with -100 labels (scattered and whole ignore
 projection and tied embeddings, an odd vocabulary (an uneven Shard(0)), several chunks, the reference
 ``loss_impl="torch"`` and under bf16 autocast; the largest vocabulary-sized tensor a rank creates is one chunk of
 its shard, [C, V/2] (the reference path, which gathers [N, V], shows the measurement can fail); the forward without
-labels still returns the full logits. Through the Trainer: tp=2 x ep=2 (padded, several chunks) and tied embeddings
-under tp train like one process.
+labels still returns the full logits. Through the Trainer (3 SGD steps, several chunks): tp=2 x ep=2 padded, and
+tied embeddings under tp=2 and under tp=2 x dp_shard=2 ep=2 (FSDP2) train like one process.
 """
 
 from __future__ import annotations
@@ -134,22 +134,29 @@ def test_vocab_parallel_loss_equals_one_process_and_keeps_logits_in_chunks_of_th
     assert out["odd vocabulary, auto"]["shard"] == 131  # rank 0's rows of 261 (rank 1 holds 130)
 
 
-def _train_layouts(rank: int, world_size: int) -> dict:
+TRAIN_CASES = {  # name: (world size, layout, train() keywords)
+    "padded, tp=2 ep=2, chunked": (2, dict(tp=2, ep=2, dp_shard=1), dict(padded=True, loss_impl="chunked")),
+    "tied embeddings, tp=2": (2, dict(tp=2, dp_shard=1), dict(model=dict(tie_embeddings=True))),
+    # FSDP2 holds the tied weight (root group) as a 2-D DTensor; in the forward it is the tp Shard(0) again
+    "tied embeddings, padded, tp=2 x dp_shard=2 ep=2": (4, dict(tp=2, dp_shard=2, ep=2),
+                                                       dict(model=dict(tie_embeddings=True), padded=True)),
+}
+
+
+def _train_layouts(rank: int, world_size: int, names: list[str]) -> dict:
     from lightning_moe.parallel import vocab_parallel_loss
 
-    vocab_parallel_loss.chunk_tokens_for = lambda v: 16  # 8 chunks of the 128 tokens of a micro-batch
-    return {
-        "padded, tp=2 ep=2, chunked": train(dict(tp=2, ep=2, dp_shard=1), 2, padded=True, loss_impl="chunked"),
-        "tied embeddings, tp=2": train(dict(tp=2, dp_shard=1), 2, model=dict(tie_embeddings=True)),
-    }
+    vocab_parallel_loss.chunk_tokens_for = lambda v: 16  # chunks of 16 tokens: 4-8 per micro-batch
+    return {name: train(TRAIN_CASES[name][1], world_size, **TRAIN_CASES[name][2]) for name in names}
 
 
 @pytest.mark.timeout(900)
-def test_vocab_parallel_loss_trains_like_one_process():
-    out = run_distributed(_train_layouts, 2, timeout=900)
-    refs = {"padded, tp=2 ep=2, chunked": train(None, 1, padded=True),
-            "tied embeddings, tp=2": train(None, 1, model=dict(tie_embeddings=True))}
-    for name, res in out.items():
-        assert refs[name]["losses"][0] > refs[name]["losses"][-1], "the reference run should learn"
-        problems = compare(res, refs[name])
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_loss_trains_like_one_process(world):
+    names = [name for name, case in TRAIN_CASES.items() if case[0] == world]
+    out = run_distributed(_train_layouts, world, names, timeout=900)
+    for name in names:
+        ref = train(None, 1, **TRAIN_CASES[name][2])
+        assert ref["losses"][0] > ref["losses"][-1], "the reference run should learn"
+        problems = compare(out[name], ref)
         assert not problems, (name, problems[:8])
