@@ -332,7 +332,6 @@ def _layout_errors(rank: int, world_size: int) -> dict:
             return DataLoader(rows, batch_size=bs)
 
     cases = {
-        "tie_embeddings with tp": (dict(tp=2, dp_shard=1), dict(tie_embeddings=True), Data(SEQ_LEN)),
         "seq_len vs tp": (dict(tp=2, dp_shard=1), {}, Data(15)),
         "seq_len vs 2*cp": (dict(cp=2, dp_shard=1), {}, Data(14)),
         "pad_to_capacity with unequal tokens": (
@@ -364,7 +363,6 @@ def _layout_errors(rank: int, world_size: int) -> dict:
 def test_layout_problems_are_value_errors_before_step_one():
     out = run_distributed(_layout_errors, 2)
     expect = {
-        "tie_embeddings with tp": "tie_embeddings=True cannot be combined with tp=2",
         "seq_len vs tp": "seq_len=15 is not divisible by 2",
         "seq_len vs 2*cp": "seq_len=14 is not divisible by 2*cp = 4",
         "pad_to_capacity with unequal tokens": "needs the same number of tokens on every rank",

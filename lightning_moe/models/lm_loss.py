@@ -16,24 +16,44 @@ an error):
 * ``"liger"`` -- ``liger_kernel``'s fused linear cross-entropy (Triton; the ``lm`` extra), fp32 accumulation.
 * ``"auto"`` -- ``"chunked"`` on CUDA, ``"torch"`` elsewhere (small CPU vocabularies gain nothing from chunks).
 
-Every path needs a plain (non-DTensor) weight; a tensor-parallel output projection uses the reference through the
-module's own forward.
+The model calls the loss through :class:`LMLoss`, a seam (like its core attention): every path here needs plain
+(non-DTensor) tensors, and tensor parallelism replaces the seam by the vocab-parallel loss
+(:mod:`lightning_moe.parallel.vocab_parallel_loss`), which runs the chunked loop below over each rank's vocabulary
+shard.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-__all__ = ["LOSS_IMPLS", "IGNORE_INDEX", "linear_cross_entropy", "resolve_loss_impl", "token_loss_sum"]
+__all__ = ["LOSS_IMPLS", "IGNORE_INDEX", "LMLoss", "chunk_tokens_for", "chunked_linear_cross_entropy", "compiled_on_cuda",
+           "linear_cross_entropy", "resolve_loss_impl", "token_loss_sum"]
 
 IGNORE_INDEX = -100
 LOSS_IMPLS = ("auto", "torch", "chunked", "liger")
 _CHUNK_BYTES = 2 * 1024**3  # fp32 logits of one chunk
+
+
+class LMLoss:
+    """The model's loss seam: ``(h_BSD, w_VD, labels_BS, impl) -> `` the fp32 sum of the token losses. An object, not
+    a submodule (no state-dict keys); tensor parallelism replaces it (``parallel.parallelize.apply_tp``)."""
+
+    def __call__(self, h_BSD: Tensor, w_VD: Tensor, labels_BS: Tensor, impl: str) -> Tensor:
+        assert not isinstance(w_VD, DTensor) and not isinstance(h_BSD, DTensor), (
+            "a tensor-parallel LM head needs the vocab-parallel loss seam (parallelize installs it)")
+        return linear_cross_entropy(h_BSD.flatten(0, 1), w_VD.to(h_BSD.dtype), labels_BS.flatten(), impl)
+
+
+def chunk_tokens_for(V: int) -> int:
+    """Tokens per chunk of the ``"chunked"`` loss over a vocabulary (or vocabulary shard) of V: fp32 logits of
+    about ``_CHUNK_BYTES``."""
+    return max(16, _CHUNK_BYTES // (4 * V))
 
 
 def resolve_loss_impl(impl: str, device: torch.device) -> str:
@@ -77,12 +97,23 @@ def linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, impl: str
         out = LigerFusedLinearCrossEntropyFunction.apply(h_ND, w_VD, labels_N, None, None, IGNORE_INDEX, 0.0, 0.0,
                                                          "sum", None, False, torch.float32)
         return (out[0] if isinstance(out, tuple) else out).float()
-    V = w_VD.shape[0]
-    C = chunk_tokens or max(16, _CHUNK_BYTES // (4 * V))
+    return chunked_linear_cross_entropy(h_ND, w_VD, labels_N, chunk_tokens or chunk_tokens_for(w_VD.shape[0]))
+
+
+CEChunk = Callable[[Tensor, Tensor, bool], "tuple[Tensor, Optional[Tensor]]"]
+
+
+def chunked_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, C: int,
+                                 ce_chunk: Optional[CEChunk] = None) -> Tensor:
+    """The ``"chunked"`` loop: ``ce_chunk(logits_CV, labels_C, want_grad)`` -> (the chunk's loss sum, d(sum)/d(logits)
+    or None) runs on each chunk's logits ``h[c] @ w.T`` (default: the whole-vocabulary cross-entropy; the
+    vocab-parallel loss passes one over a vocabulary shard). ``h_ND`` and ``w_VD`` are plain tensors of one dtype."""
+    if ce_chunk is None:
+        ce_chunk = _ce_chunk
     need_h, need_w = h_ND.requires_grad, w_VD.requires_grad
     if not torch.is_grad_enabled() or not (need_h or need_w):
-        return _chunked_loss(h_ND, w_VD, labels_N, C)
-    return _ChunkedLinearCE.apply(h_ND, w_VD, labels_N, C)
+        return _chunked_loss(h_ND, w_VD, labels_N, C, ce_chunk)
+    return _ChunkedLinearCE.apply(h_ND, w_VD, labels_N, C, ce_chunk)
 
 
 def token_loss_sum(logits_NV: Tensor, labels_N: Tensor) -> Tensor:
@@ -106,21 +137,25 @@ def _ce_chunk_eager(logits_CV: Tensor, labels_C: Tensor, want_grad: bool) -> tup
     return loss, g_CV.to(logits_CV.dtype)
 
 
-@functools.cache
-def _ce_chunk_compiled():
-    return torch.compile(_ce_chunk_eager, dynamic=True)
+def compiled_on_cuda(fn: Callable) -> Callable:
+    """``fn(x, *args)`` through ``torch.compile`` (dynamic shapes, compiled on first use) when ``x`` is a CUDA tensor:
+    one fused reduction + pointwise kernel instead of several passes over [C, V] in fp32; eager elsewhere."""
+    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
+
+    @functools.wraps(fn)
+    def run(x: Tensor, *args):
+        return compiled()(x, *args) if x.is_cuda else fn(x, *args)
+
+    return run
 
 
-def _ce_chunk(logits_CV: Tensor, labels_C: Tensor, want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
-    if logits_CV.is_cuda:  # one fused reduction + pointwise kernel instead of ~8 passes over [C, V] in fp32
-        return _ce_chunk_compiled()(logits_CV, labels_C, want_grad)
-    return _ce_chunk_eager(logits_CV, labels_C, want_grad)
+_ce_chunk = compiled_on_cuda(_ce_chunk_eager)
 
 
-def _chunked_loss(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, C: int) -> Tensor:
+def _chunked_loss(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, C: int, ce_chunk: CEChunk) -> Tensor:
     loss = h_ND.new_zeros((), dtype=torch.float32)
     for s in range(0, h_ND.shape[0], C):
-        loss = loss + _ce_chunk(h_ND[s:s + C] @ w_VD.t(), labels_N[s:s + C], False)[0]
+        loss = loss + ce_chunk(h_ND[s:s + C] @ w_VD.t(), labels_N[s:s + C], False)[0]
     return loss
 
 
@@ -132,7 +167,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """Loss and both input gradients in one chunked forward; backward scales the stored gradients."""
 
     @staticmethod
-    def forward(ctx, h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, C: int) -> Tensor:
+    def forward(ctx, h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, C: int, ce_chunk: CEChunk) -> Tensor:
         N = h_ND.shape[0]
         low_precision = w_VD.dtype in (torch.bfloat16, torch.float16)
         fp32_acc = low_precision and _fp32_out_mm_supported(w_VD.device)
@@ -141,7 +176,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         loss = h_ND.new_zeros((), dtype=torch.float32)
         for s in range(0, N, C):
             h_CD = h_ND[s:s + C]
-            chunk_loss, g_CV = _ce_chunk(h_CD @ w_VD.t(), labels_N[s:s + C], True)
+            chunk_loss, g_CV = ce_chunk(h_CD @ w_VD.t(), labels_N[s:s + C], True)
             assert g_CV is not None
             loss = loss + chunk_loss
             torch.mm(g_CV, w_VD, out=grad_h_ND[s:s + C])
@@ -162,4 +197,4 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # the scale in fp32 (it is 1/N when the step's loss is pre-normalised): rounding it to bf16 would mis-scale
         grad_h = (grad_h_ND.float() * g).to(grad_h_ND.dtype) if ctx.needs_input_grad[0] else None
         grad_w = (grad_w_VD * g).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None

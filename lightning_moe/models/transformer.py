@@ -29,7 +29,7 @@ from lightning_moe.config import ModelConfig, YaRNScaling
 from lightning_moe.models import registry
 from lightning_moe.models.document_mask import DocumentMask, DocumentSegments, document_ids
 from lightning_moe.models.heads import expand_kv
-from lightning_moe.models.lm_loss import IGNORE_INDEX, linear_cross_entropy, token_loss_sum
+from lightning_moe.models.lm_loss import IGNORE_INDEX, LMLoss
 from lightning_moe.models.outputs import LMStepOutput
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.moe.record import MoERecorder
@@ -453,6 +453,8 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else _linear(cfg.hidden_size, cfg.vocab_size)
+        # the LM loss seam; tensor parallelism replaces it by the vocab-parallel loss (parallel.parallelize.apply_tp)
+        self.lm_loss = LMLoss()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -526,11 +528,7 @@ class MoETransformer(nn.Module):
             return self.logits(h_BSD)
         assert recorder is not None
         w_VD = self.tok_embeddings.weight if self.output is None else self.output.weight
-        if isinstance(w_VD, DTensor) or isinstance(h_BSD, DTensor):
-            # a tensor-parallel output projection: its own forward (the plan's gathers), then the reference loss
-            loss_sum = token_loss_sum(self.logits(h_BSD).flatten(0, 1), labels_BS.flatten())
-        else:
-            loss_sum = linear_cross_entropy(h_BSD.flatten(0, 1), w_VD.to(h_BSD.dtype), labels_BS.flatten(), loss_impl)
+        loss_sum = self.lm_loss(h_BSD, w_VD, labels_BS, loss_impl)
         return LMStepOutput(loss_sum, (labels_BS != IGNORE_INDEX).sum(), recorder.records)
 
     def hidden_states(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None,
@@ -580,6 +578,10 @@ class MoETransformer(nn.Module):
         return self.norm(h)
 
     def logits(self, h_BSD: Tensor) -> Tensor:
+        """The full logits [..., V] as a plain tensor: a vocab-sharded LM head (tensor parallel) is gathered here,
+        only when logits are asked for."""
         if self.output is None:
-            return F.linear(h_BSD, self.tok_embeddings.weight)
-        return self.output(h_BSD)
+            logits = F.linear(h_BSD, self.tok_embeddings.weight)
+        else:
+            logits = self.output(h_BSD)
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits

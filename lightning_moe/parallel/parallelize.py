@@ -33,12 +33,14 @@ from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.layout import (AC_MODES, DISPATCHERS, TP_COLWISE, TP_ROWWISE, check_recompute_num_layers,
                                           parse_activation_checkpointing)
 from lightning_moe.parallel.recompute import apply_recompute
+from lightning_moe.parallel.vocab_parallel_loss import VocabParallelLoss
 
 
 
 def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
     """Megatron-style TP with sequence parallel on embeddings, attention (GQA, or MLA with heads split after its
-    latent projections), dense MLPs and the LM head. Returns the modules whose own parameters are tp-replicated but
+    latent projections), dense MLPs and the LM head (split over the vocabulary, with the vocab-parallel loss).
+    Returns the modules whose own parameters are tp-replicated but
     fed distinct tokens or heads: their gradients must be summed over tp (modules, not parameters: FSDP later swaps
     the parameter objects). Decided by placement, whatever the module's class: every parameter the plan leaves a plain
     tensor (not a DTensor over tp), except the routed experts' (the expert mesh reduces them) and those the plan
@@ -54,15 +56,17 @@ def apply_tp(model: MoETransformer, tp_mesh: DeviceMesh) -> list[nn.Module]:
     cfg = model.config
     # ParallelDims.validate rejects qk_norm="full" with tp > 1 with the fix; here it is an invariant
     assert cfg.qk_norm != "full", "layout not validated by ParallelDims"
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
-        },
-    )
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
+    if model.output is not None:  # tied embeddings: the LM head is the (row-parallel) embedding's weight
+        # vocab-sharded logits, never gathered by the plan: the loss runs on each rank's vocabulary shard
+        # (VocabParallelLoss, below) and MoETransformer.logits gathers only when logits are asked for
+        top_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, top_plan)
+    # the LM head's weight (the output projection's, or the tied embedding's) is Shard(0) over tp either way
+    model.lm_loss = VocabParallelLoss(tp_mesh)
     not_synced: set[nn.Module] = set()
     for block in model.layers.values():
         plan = {

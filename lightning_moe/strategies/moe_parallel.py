@@ -238,7 +238,6 @@ class MoEParallelStrategy(ParallelStrategy):
         if module is not None and hasattr(module, "config"):
             # the model against the layout, before any process group is created
             dims.validate(module.config, seq_len=None)
-            _check_model_layout(module.config, dims)
         if self._dispatcher == "deepep" and dims.ep_enabled:
             self._check_deepep(dims)
         self._init_process_group()
@@ -622,15 +621,6 @@ class MoEParallelStrategy(ParallelStrategy):
 def _destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _check_model_layout(config: Any, dims: ParallelDims) -> None:
-    """Model/layout combinations that the layout cannot run (ValueError naming the fix)."""
-    if dims.tp_enabled and config.tie_embeddings:
-        raise ValueError(
-            f"tie_embeddings=True cannot be combined with tp={dims.tp}: the tied weight would be row-split for the "
-            "embedding and column-split for the LM head at once. Set tie_embeddings=False or tp=1"
-        )
 
 
 def _check_batch_layout(batch: Mapping[str, Any], dims: ParallelDims, config: Any) -> None:
