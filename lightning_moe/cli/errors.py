@@ -6,9 +6,7 @@ A mistake in the command line, a config file or the data it names ends the comma
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Collection
-from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser
 
@@ -33,72 +31,9 @@ def _find_usage_error(ex: Optional[BaseException]) -> Optional[UsageError]:
     return None
 
 
-def _known(name: str, keys: Collection[str]) -> bool:
-    """Whether ``--name`` is an option of a parser whose values have ``keys`` (dotted): a key itself (``+``
-    appends to a list), a key's nested argument (``--optimizer.lr``), a group's config (``--model FILE``), or one
-    of jsonargparse's own options."""
-    name = name.removesuffix("+")
-    if name in ("config", "print_config", "help") or name.endswith(".help") or name in keys:
-        return True
-    return any(name.startswith(k + ".") or k.startswith(name + ".") for k in keys)
-
-
-def _describe(hint: Any) -> str:
-    """``Optional[int]`` -> ``int or null``, ``Literal['a', 'b']`` -> ``'a', 'b'``."""
-    if hint is type(None):
-        return "null"
-    if get_origin(hint) is Literal:
-        return ", ".join(repr(a) for a in get_args(hint))
-    if get_origin(hint) is Union:
-        return " or ".join(_describe(a) for a in get_args(hint))
-    return getattr(hint, "__name__", str(hint).replace("typing.", ""))
-
-
-def _rejects(hint: Any, value: str) -> bool:
-    """Whether jsonargparse rejects ``value`` for a parameter typed ``hint`` (parsed on its own)."""
-    from jsonargparse import ArgumentError, ArgumentParser
-
-    probe = ArgumentParser(exit_on_error=False)
-    probe.add_argument("--value", type=hint)
-    try:
-        probe.parse_args(["--value", value])
-    except ArgumentError:
-        return True
-    return False
-
-
-def explain(tokens: list[str], keys: Collection[str], classes: dict[str, Any], prog: str) -> Optional[str]:
-    """What jsonargparse rejected in ``tokens`` (one command's options), from what the CLI knows itself: the first
-    option that is none of the parser's ``keys``, with a close match, else the first value that the type of its
-    parameter in ``classes`` (group name -> class, e.g. ``{"data": TextDataModule}``) rejects; None when
-    neither is found."""
-    keys = list(keys)
-    options = []  # (name, value) of every option in command-line order
-    for i, token in enumerate(tokens):
-        if not token.startswith("--") or token == "--":
-            continue
-        name, eq, value = token[2:].partition("=")
-        options.append((name, value if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)))
-    for name, _ in options:
-        if not _known(name, keys):
-            hint = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
-            return f"unknown option --{name}" + (f" (did you mean --{hint[0]}?)" if hint else "") + \
-                f"; see `{prog} --help`"
-    for name, value in options:
-        group, _, param = name.partition(".")
-        if name not in keys or value is None or group not in classes or "." in param:
-            continue
-        try:
-            hint = get_type_hints(classes[group].__init__).get(param)
-        except (NameError, TypeError):  # an annotation that does not resolve here: nothing to say about it
-            continue
-        if hint is not None and _rejects(hint, value):
-            return f"{name}: expected {_describe(hint)}, got {value!r}"
-    return None
-
-
 class ParserError(UsageError):
-    """jsonargparse rejected the command line; :meth:`MoECLI.parse_arguments` says what, with :func:`explain`."""
+    """jsonargparse rejected the command line; :meth:`MoECLI.parse_arguments` says what
+    (:func:`lightning_moe.cli.explain.explain`)."""
 
 
 class MoEArgumentParser(LightningArgumentParser):

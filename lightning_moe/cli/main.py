@@ -32,7 +32,8 @@ from lightning_moe.checkpoint import SafeCheckpointIO
 from lightning_moe.checkpoint.find import newest_checkpoint
 from lightning_moe.checkpoint.optimizer_state import accept_state_by_name
 from lightning_moe.cli.argv import compose_args, compose_object, subcommand_index
-from lightning_moe.cli.errors import PROG, MoEArgumentParser, ParserError, UsageError, _one_line, explain
+from lightning_moe.cli.errors import PROG, MoEArgumentParser, ParserError, UsageError, _one_line
+from lightning_moe.cli.explain import explain
 from lightning_moe.cli.plan import plan_main
 from lightning_moe.cli.resume import _checkpoint_meta, _load_directories_with_moe_parallel
 from lightning_moe.cli.values import _as_plain, _bare_preset, _plain
@@ -88,6 +89,7 @@ class MoECLI(LightningCLI):
         # LightningCLI warns when both `args` and sys.argv are given; main() passes sys.argv on purpose
         args = sys.argv[1:] if args is None else args
         subcommands = list(self.subcommands()) if self._with_subcommands else []
+        composed = None
         try:
             if isinstance(args, dict):
                 self.config = parser.parse_object(compose_object(args, subcommands))
@@ -96,14 +98,19 @@ class MoECLI(LightningCLI):
                 at = subcommand_index(args, subcommands)
                 # the parser of the command's own options; jsonargparse names a subcommand's `lightning-moe [options] fit`
                 own = parser if at is None else next(p for p in self._parsers if p.prog.split()[-1] == args[at])
-                self.config = parser.parse_args(compose_args(args, subcommands, own.get_defaults()))
+                composed = compose_args(args, subcommands, own.get_defaults())
+                self.config = parser.parse_args(composed)
         except ParserError as e:
             # jsonargparse's message is multi-line and nested, and its wording is no interface: say what is wrong
             # from the parser's keys and our classes' signatures, else its message on one line
             found = None
-            if isinstance(args, list):
-                found = explain(args[at + 1:] if at is not None else args, own.get_defaults().keys(),
-                                self._classes(), own.prog.replace(" [options]", ""))
+            if composed is not None:
+                from lightning.pytorch.strategies import Strategy
+
+                tokens = composed[composed.index(args[at]) + 1:] if at is not None else composed
+                found = explain(tokens, own.get_defaults(), self._classes(),
+                                {"optimizer": (Optimizer,), "lr_scheduler": LRSchedulerTypeTuple,
+                                 "trainer.strategy": (Strategy,)}, own.prog.replace(" [options]", ""))
             raise UsageError(found or str(e)) from e
         except UsageError:
             raise

@@ -125,23 +125,29 @@ def strategy_from_value(value: Any) -> Any:
     return value
 
 
+def init_params(klass: type) -> list[str]:
+    """The names ``klass(...)`` accepts, those of its base classes included where ``**kwargs`` passes them on."""
+    import inspect
+
+    params: list[str] = []
+    for cls in klass.__mro__:
+        signature = inspect.signature(cls.__init__).parameters.values()
+        params += [p.name for p in signature if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and p.name != "self" and p.name not in params]
+        if not any(p.kind == p.VAR_KEYWORD for p in signature):
+            break
+    return params
+
+
 def check_strategy_option(key: str, strategy: Any) -> None:
     """``--trainer.strategy.<key> V`` over ``strategy`` (the value so far): an unknown ``<key>`` of
     MoEParallelStrategy is a UsageError with a close match (other strategies are jsonargparse's to check)."""
     plain = _as_plain(strategy_from_value(strategy))
     if not (isinstance(plain, dict) and str(plain.get("class_path", "")).endswith("MoEParallelStrategy")):
         return
-    import inspect
-
     from lightning_moe.strategies import MoEParallelStrategy
 
-    params: list[str] = []
-    for klass in MoEParallelStrategy.__mro__:  # **kwargs pass on to the base classes' arguments
-        signature = inspect.signature(klass.__init__).parameters.values()
-        params += [p.name for p in signature if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                   and p.name != "self" and p.name not in params]
-        if not any(p.kind == p.VAR_KEYWORD for p in signature):
-            break
+    params = init_params(MoEParallelStrategy)
     key = key.removeprefix("init_args.")
     if key.split(".")[0] not in params:
         hint = difflib.get_close_matches(key, params, n=1)
