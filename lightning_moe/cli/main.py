@@ -62,7 +62,9 @@ class MoECLI(LightningCLI):
     On top of LightningCLI: ``model.config`` resolves presets with field overrides (see the module docstring),
     ``--trainer.strategy moe_parallel`` selects MoEParallelStrategy, ``--optimizer X`` builds X when Lightning asks for
     the optimizers (the parameters exist only after ``configure_model``) with the model's warmup-cosine schedule unless
-    ``--lr_scheduler`` is given, and data and model are checked against each other before a run starts.
+    ``--lr_scheduler`` is given, and data and model are checked against each other before a run starts. Only
+    LightningCLI's public hooks are overridden (tests/test_code_rules.py checks that no private jsonargparse or
+    LightningCLI step is).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
