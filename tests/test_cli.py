@@ -194,7 +194,8 @@ def test_user_errors_are_one_line_and_exit_2(args, expected, tmp_path, capsys):
     (["--optimizer", "SGD", "--optimizer.lr", "abc"], ["optimizer.lr: expected float", "got 'abc'"]),
     (["--optimizer", "SGD", "--lr_scheduler", "StepLR", "--lr_scheduler.step", "3"],
      ["unknown option --lr_scheduler.step", "did you mean 'step_size'"]),
-    (["--trainer.strategy", "moe_parallel", "--trainer.strategy.ep", "x"], ["trainer.strategy.ep: expected int, got 'x'"]),
+    (["--trainer.strategy", "moe_parallel", "--trainer.strategy.ep", "x"],
+     ["trainer.strategy.ep: expected int, got 'x'"]),
     (["--trainer.max_epochs", "abc"], ["trainer.max_epochs: expected int or null, got 'abc'"]),
 ])
 def test_nested_and_typed_option_errors_name_the_option(args, expected, tmp_path, capsys):

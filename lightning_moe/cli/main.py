@@ -98,7 +98,7 @@ class MoECLI(LightningCLI):
             else:
                 args = list(args)
                 at = subcommand_index(args, subcommands)
-                # the parser of the command's own options; jsonargparse names a subcommand's `lightning-moe [options] fit`
+                # the parser of the command's own options (jsonargparse names fit's `lightning-moe [options] fit`)
                 own = parser if at is None else next(p for p in self._parsers if p.prog.split()[-1] == args[at])
                 composed = compose_args(args, subcommands, own.get_defaults())
                 self.config = parser.parse_args(composed)
