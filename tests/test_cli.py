@@ -189,6 +189,40 @@ def test_user_errors_are_one_line_and_exit_2(args, expected, tmp_path, capsys):
     assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--optimizer.lr", "0.1"], ["--optimizer.lr needs --optimizer first"]),
+    (["--optimizer", "SGD", "--optimizer.lrr", "0.1"], ["unknown option --optimizer.lrr", "did you mean 'lr'"]),
+    (["--optimizer", "SGD", "--optimizer.lr", "abc"], ["optimizer.lr: expected float", "got 'abc'"]),
+    (["--optimizer", "SGD", "--lr_scheduler", "StepLR", "--lr_scheduler.step", "3"],
+     ["unknown option --lr_scheduler.step", "did you mean 'step_size'"]),
+    (["--trainer.strategy", "moe_parallel", "--trainer.strategy.ep", "x"],
+     ["trainer.strategy.ep: expected int, got 'x'"]),
+    (["--trainer.max_epochs", "abc"], ["trainer.max_epochs: expected int or null, got 'abc'"]),
+])
+def test_nested_and_typed_option_errors_name_the_option(args, expected, tmp_path, capsys):
+    # said from the parser's keys and the classes' signatures, not from jsonargparse's (multi-line) message
+    code = _run(["fit", "--config", TINY, *args, f"--trainer.default_root_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("lightning-moe fit: error: "), err
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+def test_config_file_values_compose_with_later_overrides(tmp_path, capsys):
+    # a root-level config's section of the subcommand, and a strategy named in a file, take nested options after them
+    top = tmp_path / "top.yaml"
+    top.write_text("fit:\n  model:\n    config: olmoe_1b_7b\n")
+    assert _run(["--config", str(top), "fit", "--model.config.num_layers", "2", "--model.config.moe.top_k", "2",
+                 "--print_config"]) == 0
+    assert _fields(capsys.readouterr().out) == ModelConfig.from_preset("olmoe_1b_7b", num_layers=2, moe={"top_k": 2})
+    layout = tmp_path / "layout.yaml"
+    layout.write_text("trainer:\n  devices: 2\n  strategy: moe_parallel\n")
+    assert _run(["fit", "--config", TINY, "--config", str(layout), "--trainer.strategy.ep", "2", "--print_config"]) == 0
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_moe.MoEParallelStrategy" and strategy["init_args"]["ep"] == 2
+
+
 @lane.job
 def _unknown_preset(tmp: Path, env: dict) -> tuple[subprocess.CompletedProcess, Path]:
     proc = lane.run(

@@ -2,7 +2,8 @@
 
 - no module over 700 lines, and a module over 500 says in its docstring why it is one piece;
 - the checkpoint's file and folder names are spelled in one module, ``checkpoint/format.py``;
-- the CLI overrides no private LightningCLI step (``_parse_ckpt_path``).
+- the CLI overrides, patches or calls no private jsonargparse / LightningCLI step (``_check_type``,
+  ``_parse_ckpt_path``, ``_add_configure_optimizers_method_to_model``).
 """
 
 from __future__ import annotations
@@ -61,22 +62,41 @@ def test_the_rules_see_what_they_look_for(tmp_path):
     assert "meta.pt" in texts and ".partial" in texts and not any("prose" in t or t == "checksums.json" for t in texts)
 
 
+#: private steps of jsonargparse (an action's type check) and LightningCLI that the CLI once replaced
+PRIVATE_STEPS = {"_check_type", "_check_type_", "_parse_ckpt_path", "_add_configure_optimizers_method_to_model"}
+
+
 def _private_overrides(tree: ast.AST) -> list[str]:
-    """Private LightningCLI steps defined in a class, assigned onto an object or called."""
-    names = {"_parse_ckpt_path"}
+    """Private jsonargparse / LightningCLI steps defined in a class, assigned onto an object (``=`` or
+    ``setattr``) or used."""
+    names = PRIVATE_STEPS
     out = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
             out.append(f"def {node.name} (line {node.lineno})")
-        elif isinstance(node, ast.Assign):
-            out += [f"{t.attr} = ... (line {node.lineno})" for t in node.targets
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out += [f"{t.attr} = ... (line {node.lineno})" for t in targets
                     if isinstance(t, ast.Attribute) and t.attr in names]
         elif isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.ctx, ast.Load):
             out.append(f".{node.attr} used (line {node.lineno})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "getattr") \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names:
+            out.append(f"{node.func.id}(..., {node.args[1].value!r}) (line {node.lineno})")
     return out
 
 
 def test_the_cli_overrides_no_private_lightningcli_step():
     found = {str(p.relative_to(PACKAGE)): hits for p in MODULES if (hits := _private_overrides(ast.parse(p.read_text())))}
     assert not found, found
-    assert len(_private_overrides(ast.parse("class C:\n    def _parse_ckpt_path(self): pass\na._parse_ckpt_path = f\n"))) == 2
+
+
+def test_the_private_step_rule_sees_every_form():
+    # each name, in each way the CLI once used one: a method of a subclass, a patch, a call, a setattr
+    for name in PRIVATE_STEPS:
+        source = (f"class C:\n    def {name}(self): pass\n"
+                  f"action.{name} = wrapper\n"
+                  f"action.default = action.{name}(action.default)\n"
+                  f"setattr(action, {name!r}, wrapper)\n")
+        assert len(_private_overrides(ast.parse(source))) == 4, name
+    assert not _private_overrides(ast.parse("def check_type(x): pass\naction.check_type = f\nsetattr(a, 'b', f)\n"))

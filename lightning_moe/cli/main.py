@@ -22,19 +22,21 @@ from typing import Any, Optional
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple, instantiate_class
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim import Optimizer
 
 from lightning_moe.callbacks import LoadBalanceMonitor
 from lightning_moe.callbacks.progress import MoEProgressBar
 from lightning_moe.checkpoint import SafeCheckpointIO
 from lightning_moe.checkpoint.find import newest_checkpoint
 from lightning_moe.checkpoint.optimizer_state import accept_state_by_name
-from lightning_moe.cli.errors import PROG, MoEArgumentParser, UsageError, _one_line
+from lightning_moe.cli.argv import compose_args, compose_object, subcommand_index
+from lightning_moe.cli.errors import PROG, MoEArgumentParser, ParserError, UsageError, _one_line
+from lightning_moe.cli.explain import explain
 from lightning_moe.cli.plan import plan_main
 from lightning_moe.cli.resume import _checkpoint_meta, _load_directories_with_moe_parallel
-from lightning_moe.cli.values import (_as_plain, _bare_preset, _find_action, _model_config_from_value,
-                                      _normalize_strategy, _plain, _wrap_check_type)
+from lightning_moe.cli.values import _as_plain, _bare_preset, _plain
 from lightning_moe.data import TextDataModule
 from lightning_moe.module import MoELanguageModel
 
@@ -60,22 +62,62 @@ class MoECLI(LightningCLI):
     On top of LightningCLI: ``model.config`` resolves presets with field overrides (see the module docstring),
     ``--trainer.strategy moe_parallel`` selects MoEParallelStrategy, ``--optimizer X`` builds X when Lightning asks for
     the optimizers (the parameters exist only after ``configure_model``) with the model's warmup-cosine schedule unless
-    ``--lr_scheduler`` is given, and data and model are checked against each other before a run starts.
+    ``--lr_scheduler`` is given, and data and model are checked against each other before a run starts. Only
+    LightningCLI's public hooks are overridden (tests/test_code_rules.py checks that no private jsonargparse or
+    LightningCLI step is).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parser_class", MoEArgumentParser)
         kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # --optimizer / --lr_scheduler are built when Lightning asks for the optimizers (see
+        # _optimizers_from_the_command_line); LightningCLI's automatic step would build them on a model that has no
+        # parameters yet
+        kwargs["auto_configure_optimizers"] = False
+        self._parsers: list[LightningArgumentParser] = []  # those add_arguments_to_parser saw
         super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault("prog", PROG)  # not the module file name under `python -m lightning_moe.cli`
         return super().init_parser(**kwargs)
 
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
+                     subparser_kwargs: dict[str, Any]) -> None:
+        self._with_subcommands = add_subcommands
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # LightningCLI warns when both `args` and sys.argv are given; main() passes sys.argv on purpose
-        self.config = parser.parse_object(args) if isinstance(args, dict) else parser.parse_args(args)
+        args = sys.argv[1:] if args is None else args
+        subcommands = list(self.subcommands()) if self._with_subcommands else []
+        composed = None
+        try:
+            if isinstance(args, dict):
+                self.config = parser.parse_object(compose_object(args, subcommands))
+            else:
+                args = list(args)
+                at = subcommand_index(args, subcommands)
+                # the parser of the command's own options (jsonargparse names fit's `lightning-moe [options] fit`)
+                own = parser if at is None else next(p for p in self._parsers if p.prog.split()[-1] == args[at])
+                composed = compose_args(args, subcommands, own.get_defaults())
+                self.config = parser.parse_args(composed)
+        except ParserError as e:
+            # jsonargparse's message is multi-line and nested, and its wording is no interface: say what is wrong
+            # from the parser's keys and our classes' signatures, else its message on one line
+            found = None
+            if composed is not None:
+                from lightning.pytorch.strategies import Strategy
+
+                tokens = composed[composed.index(args[at]) + 1:] if at is not None else composed
+                found = explain(tokens, own.get_defaults(), self._classes(),
+                                {"optimizer": (Optimizer,), "lr_scheduler": LRSchedulerTypeTuple,
+                                 "trainer.strategy": (Strategy,)}, own.prog.replace(" [options]", ""))
+            raise UsageError(found or str(e)) from e
+        except UsageError:
+            raise
+        except ValueError as e:  # a model.config that ModelConfig rejects (its message names the key and the fix)
+            raise UsageError(_one_line(e)) from e
         self._apply_checkpoint()
         # LightningCLI's next (private) step re-parses the checkpoint's hyper-parameters over the values given now
         # and has no public switch; _apply_checkpoint did that step our way, so ckpt_path is kept out of its sight
@@ -85,18 +127,19 @@ class MoECLI(LightningCLI):
         if self._given_ckpt_path is not None:
             self.config[sub]["ckpt_path"] = None
 
+    def _classes(self) -> dict[str, Any]:
+        from lightning.pytorch import Trainer
+
+        trainer = self.trainer_class if isinstance(self.trainer_class, type) else Trainer
+        return {"model": self.model_class, "data": self.datamodule_class, "trainer": trainer}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        self._parsers.append(parser)
         parser.add_argument("--resume_required", type=bool, default=False,
                             help="with --ckpt_path last: fail (exit 2) when there is no checkpoint to resume, instead "
                                  "of training from scratch")
-        model_config = _find_action(parser, "model.config")
-        if model_config is not None:
-            _wrap_check_type(model_config, _model_config_from_value)
-            model_config.default = model_config._check_type_(model_config.default)
-            self._model_config_default = model_config.default
-        strategy = _find_action(parser, "trainer.strategy")
-        if strategy is not None:
-            _wrap_check_type(strategy, _normalize_strategy)
+        parser.add_optimizer_args((Optimizer,))
+        parser.add_lr_scheduler_args(LRSchedulerTypeTuple)
 
     def before_instantiate_classes(self) -> None:
         """With ``model.pretrained``, the model config comes from the folder: a bare preset next to it (tiny.yaml's
@@ -122,12 +165,12 @@ class MoECLI(LightningCLI):
         except (ValueError, TypeError, OSError, MisconfigurationException) as e:
             raise UsageError(_one_line(e)) from e
 
-    def _add_configure_optimizers_method_to_model(self, subcommand: Optional[str]) -> None:
-        """``--optimizer`` / ``--lr_scheduler``: LightningCLI would build them here, on the parameters the model has
-        now, and MoELanguageModel has none before ``configure_model`` ("optimizer got an empty parameter list").
-        Build them when Lightning calls ``configure_optimizers`` instead."""
-        optimizer_init = self._get(self.config_init, "optimizer")
-        scheduler_init = self._get(self.config_init, "lr_scheduler")
+    def _optimizers_from_the_command_line(self) -> None:
+        """``--optimizer`` / ``--lr_scheduler``: built when Lightning calls ``configure_optimizers``, since
+        MoELanguageModel has no parameters before ``configure_model`` (built now: "optimizer got an empty parameter
+        list"). The model's own method stays the default (AdamW with its warmup-cosine schedule)."""
+        optimizer_init = _section(self.config_init).get("optimizer")
+        scheduler_init = _section(self.config_init).get("lr_scheduler")
         if not optimizer_init:
             if scheduler_init:
                 raise UsageError(
@@ -141,6 +184,7 @@ class MoECLI(LightningCLI):
         def configure_optimizers() -> Any:
             return _build_optimizers(model, optimizer_init, scheduler_init)
 
+        # the hook of this model object, as LightningCLI's automatic step sets it
         model.configure_optimizers = configure_optimizers
 
     def _check_data_and_model(self, stage: str) -> None:
@@ -169,7 +213,7 @@ class MoECLI(LightningCLI):
         from lightning.pytorch.loggers import CSVLogger
         from lightning.pytorch.utilities import rank_zero_info
 
-        trainer_cfg = self._get(self.config, "trainer") or {}
+        trainer_cfg = _section(self.config).get("trainer") or {}
         logger = self.trainer.logger
         if trainer_cfg.get("logger") in (None, True) and type(logger) is CSVLogger:
             rank_zero_info(f"Metrics go to CSV files under {logger.root_dir} (`pip install tensorboard` for "
@@ -205,7 +249,7 @@ class MoECLI(LightningCLI):
             return
         model = cfg["model"]
         given = _plain(model.get("config"))
-        if given is None or given == _plain(getattr(self, "_model_config_default", None)) or _bare_preset(given):
+        if given is None or _bare_preset(given):
             # a preset without field overrides (tiny.yaml's `config: tiny`) gives way to the checkpoint's shape
             model["config"] = saved
             if given != saved:
@@ -241,14 +285,17 @@ class MoECLI(LightningCLI):
         return None
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
+        # LightningCLI calls this right after building the model: the optimizers given are wired first, then data
+        # and model are checked before the Trainer starts anything
+        self._optimizers_from_the_command_line()
         if self.subcommand is not None:  # data and model are built: check them before the Trainer starts anything
             self._check_data_and_model(self.subcommand)
-        plugins = (self._get(self.config_init, "trainer", default={}) or {}).get("plugins")
+        plugins = (_section(self.config_init).get("trainer") or {}).get("plugins")
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):
             # atomic, checksummed checkpoint files under every strategy (MoEParallelStrategy's default too)
             kwargs["plugins"] = plugins + [SafeCheckpointIO()]
-        trainer_cfg = self._get(self.config_init, "trainer", default={}) or {}
+        trainer_cfg = _section(self.config_init).get("trainer") or {}
         callbacks = trainer_cfg.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         if importlib.util.find_spec("rich") is not None and trainer_cfg.get("enable_progress_bar") is not False \
@@ -266,6 +313,12 @@ class MoECLI(LightningCLI):
     def before_predict(self) -> None:
         if not getattr(self.datamodule, "predict_prompts", None):
             raise UsageError("nothing to predict: give the prompts with --data.predict_prompts '[\"def main(\"]'")
+
+
+def _section(config: Any) -> Any:
+    """The values of the command that runs (a subcommand's section, or the whole config without one)."""
+    sub = config.get("subcommand")
+    return config[sub] if sub else config
 
 
 def _build_optimizers(model: Any, optimizer_init: dict[str, Any], scheduler_init: Optional[dict[str, Any]]) -> Any:

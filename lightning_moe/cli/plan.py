@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from lightning_moe.cli.errors import PROG
-from lightning_moe.cli.values import STRATEGY_NAMES, _model_config_from_value
+from lightning_moe.cli.values import STRATEGY_NAMES, model_config_from_value
 from lightning_moe.config import ModelConfig, preset_names
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.layout import RECOMPUTE_KINDS
@@ -34,7 +34,7 @@ def _plan_settings_from_yaml(path: str) -> dict[str, Any]:
         doc = yaml.safe_load(f) or {}
     model = doc.get("model") or {}
     cfg_spec = model.get("config", "tiny") if isinstance(model, dict) else "tiny"
-    cfg = ModelConfig.from_dict(_model_config_from_value(cfg_spec or "tiny", None))
+    cfg = ModelConfig.from_dict(model_config_from_value(cfg_spec or "tiny"))
     name = cfg_spec if isinstance(cfg_spec, str) else f"{path} (model.config)"
     trainer = doc.get("trainer") or {}
     devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from lightning_moe.cli.errors import UsageError
 from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
@@ -14,11 +14,6 @@ from lightning_moe.config import ModelConfig, preset_names, resolve_model_config
 #: names under which ``--trainer.strategy`` selects MoEParallelStrategy
 STRATEGY_NAMES = ("moe_parallel", "MoEParallelStrategy")
 _STRATEGY_CLASS_PATH = "lightning_moe.MoEParallelStrategy"
-
-
-def _is_nested_arg(value: Any) -> bool:
-    """jsonargparse passes ``--a.b.c VALUE`` for an action ``a.b`` as a namedtuple (key='c', val=VALUE)."""
-    return isinstance(value, tuple) and hasattr(value, "key") and hasattr(value, "val")
 
 
 def _as_plain(value: Any) -> Any:
@@ -59,31 +54,30 @@ def _parse_scalar(text: Any) -> Any:
     return value
 
 
-def _model_config_from_value(value: Any, previous: Any, where: str = "model.config") -> Optional[dict[str, Any]]:
-    """The full, validated ModelConfig fields (a plain dict) for one value given to ``model.config``:
+def model_config_override(key: str, raw: Any, previous: Any, where: str = "model.config") -> dict[str, Any]:
+    """``--model.config.<dotted key> V``: the previous fields (a preset name, fields, or None for
+    MoELanguageModel's default preset) with that key replaced, validated; ``preset`` starts again from the named
+    preset."""
+    if key == "preset":
+        return resolve_model_config(str(raw), where).to_dict()
+    fields = _dataclass_fields(previous)
+    if not isinstance(fields, dict):  # a preset name, or None: MoELanguageModel's default preset
+        fields = resolve_model_config(previous if previous is not None else "tiny", where).to_dict()
+    parts = key.split(".")
+    overrides: dict[str, Any] = {}
+    node = overrides
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = _parse_scalar(raw)
+    # fields is complete and carries no preset key: the overrides apply to it, then everything is validated
+    return resolve_model_config(_deep_update(fields, overrides), where).to_dict()
 
-    - ``--model.config.<dotted key> V`` (a nested argument): the previous fields with that key replaced
-      (``preset`` starts again from the named preset);
-    - a preset name, an existing YAML file holding a mapping, or inline YAML/JSON of a mapping;
-    - a mapping of fields with an optional ``preset`` key (fields absent take the preset's values, or the
-      dataclass defaults without one), as in ``ModelConfig.from_dict``.
-    """
-    if _is_nested_arg(value):
-        key, raw = str(value.key), value.val
-        if key == "preset":
-            return resolve_model_config(str(raw), where).to_dict()
-        fields = _dataclass_fields(previous)
-        if not isinstance(fields, dict):  # a preset name, or None: MoELanguageModel's default preset
-            fields = resolve_model_config(previous if previous is not None else "tiny", where).to_dict()
-        parts = key.split(".")
-        overrides: dict[str, Any] = {}
-        node = overrides
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = _parse_scalar(raw)
-        # fields is complete and carries no preset key: the overrides apply to it, then everything is validated
-        merged = _deep_update(fields, overrides)
-        return resolve_model_config(merged, where).to_dict()
+
+def model_config_from_value(value: Any, where: str = "model.config") -> Optional[dict[str, Any]]:
+    """The full, validated ModelConfig fields (a plain dict) for one value given to ``model.config``: a preset
+    name, an existing YAML file holding a mapping, inline YAML/JSON of a mapping, or a mapping of fields with an
+    optional ``preset`` key (fields absent take the preset's values, or the dataclass defaults without one), as in
+    ``ModelConfig.from_dict``. None (or a YAML null) stays None: MoELanguageModel's default."""
     if value is None or (isinstance(value, str) and _parse_scalar(value) is None):  # null, ~, "" (YAML nulls)
         return None  # MoELanguageModel's default: the tiny preset, or the config of `pretrained`
     if isinstance(value, ModelConfig):
@@ -122,63 +116,43 @@ def _deep_update(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
     return out
 
 
-def _find_action(parser: Any, dest: str) -> Any:
-    for action in parser._actions:
-        if getattr(action, "dest", None) == dest:
-            return action
-    return None
-
-
-def _wrap_check_type(action: Any, normalize: Callable[[Any, Any], Any]) -> None:
-    """Make a jsonargparse action normalise every value it receives (command line, config files, defaults) before
-    its own type check; errors from ``normalize`` surface as UsageError."""
-    import inspect
-
-    original = action._check_type
-    accepted = set(inspect.signature(original).parameters)  # `mode` is newer than jsonargparse 4.39
-
-    def _check_type(value, append=False, cfg=None, mode=None):
-        previous = cfg.get(action.dest) if cfg is not None else None
-        if previous is None:
-            previous = action.default
-        try:
-            value = normalize(value, previous)
-        except UsageError:
-            raise
-        except ValueError as e:
-            raise UsageError(str(e)) from e
-        kwargs = {"append": append, "cfg": cfg if _is_nested_arg(value) else None, "mode": mode}
-        return original(value, **{k: v for k, v in kwargs.items() if k in accepted})
-
-    action._check_type = _check_type
-
-
-def _normalize_strategy(value: Any, previous: Any) -> Any:
+def strategy_from_value(value: Any) -> Any:
     """``moe_parallel`` / ``MoEParallelStrategy`` given as a string become the class spec, so that
-    ``--trainer.strategy.<arg> V`` can follow and ``--print_config`` shows the strategy's arguments; an unknown
-    ``<arg>`` of MoEParallelStrategy is named with a close match."""
+    ``--trainer.strategy.<arg> V`` can follow and ``--print_config`` shows the strategy's arguments; other values
+    stay as they are."""
     if isinstance(value, str) and value.strip() in STRATEGY_NAMES + (_STRATEGY_CLASS_PATH,):
         return {"class_path": _STRATEGY_CLASS_PATH}
-    prev = _as_plain(previous)
-    if _is_nested_arg(value) and isinstance(prev, dict) and str(prev.get("class_path", "")).endswith(
-            "MoEParallelStrategy"):
-        import inspect
-
-        from lightning_moe.strategies import MoEParallelStrategy
-
-        params: list[str] = []
-        for klass in MoEParallelStrategy.__mro__:  # **kwargs pass on to the base classes' arguments
-            signature = inspect.signature(klass.__init__).parameters.values()
-            params += [p.name for p in signature if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                       and p.name != "self" and p.name not in params]
-            if not any(p.kind == p.VAR_KEYWORD for p in signature):
-                break
-        key = str(value.key).removeprefix("init_args.")
-        if key not in params:
-            hint = difflib.get_close_matches(key, params, n=1)
-            raise UsageError(f"unknown option --trainer.strategy.{key}" + (f" (did you mean {hint[0]!r}?)" if hint
-                             else "") + f"; MoEParallelStrategy options: {', '.join(params)}")
     return value
+
+
+def init_params(klass: type) -> list[str]:
+    """The names ``klass(...)`` accepts, those of its base classes included where ``**kwargs`` passes them on."""
+    import inspect
+
+    params: list[str] = []
+    for cls in klass.__mro__:
+        signature = inspect.signature(cls.__init__).parameters.values()
+        params += [p.name for p in signature if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and p.name != "self" and p.name not in params]
+        if not any(p.kind == p.VAR_KEYWORD for p in signature):
+            break
+    return params
+
+
+def check_strategy_option(key: str, strategy: Any) -> None:
+    """``--trainer.strategy.<key> V`` over ``strategy`` (the value so far): an unknown ``<key>`` of
+    MoEParallelStrategy is a UsageError with a close match (other strategies are jsonargparse's to check)."""
+    plain = _as_plain(strategy_from_value(strategy))
+    if not (isinstance(plain, dict) and str(plain.get("class_path", "")).endswith("MoEParallelStrategy")):
+        return
+    from lightning_moe.strategies import MoEParallelStrategy
+
+    params = init_params(MoEParallelStrategy)
+    key = key.removeprefix("init_args.")
+    if key.split(".")[0] not in params:
+        hint = difflib.get_close_matches(key, params, n=1)
+        raise UsageError(f"unknown option --trainer.strategy.{key}" + (f" (did you mean {hint[0]!r}?)" if hint
+                         else "") + f"; MoEParallelStrategy options: {', '.join(params)}")
 
 
 def _plain(value: Any) -> Any:
