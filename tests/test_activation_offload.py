@@ -122,7 +122,8 @@ def test_trainer_bf16_true_recomputed_blocks_with_offload_match_no_option():
     grads, losses, model = fit(MoEParallelStrategy(activation_checkpointing=["full", "norm", "moe_act", "attn_core"],
                                                    recompute_num_layers=2),
                                [ActivationOffload(["experts"], min_bytes=0)])
-    assert type(model.model.layers["0"]).__name__ == "CheckpointWrapper"
+    assert [b.activation_plan.recompute.seams for b in model.model.layers.values()] == [{"forward"}] * 2 + [set()] * (
+        len(model.model.layers) - 2)
     assert next(model.parameters()).dtype == torch.bfloat16
     assert losses == base_losses and len(losses) == 2
     assert grads.keys() == base.keys()
@@ -149,6 +150,9 @@ def test_trainer_applies_it_as_a_model_transform_with_selective_recompute():
                         strategy=MoEParallelStrategy(activation_checkpointing="norm,moe_act"), callbacks=[cb])
     fit_recording_losses(trainer, model, TextDataModule(seq_len=16, batch_size=2))
     experts = model.model.moe_layers()[0].experts
-    assert isinstance(experts.forward, ao._Scoped)
-    assert type(experts.act_down).__name__ == "Recomputed"
+    assert experts.activation_plan.offload.scope is cb.offloader
+    assert experts.activation_plan.recompute.seams == {"act_down"}
+    assert model.model.layers["0"].attention.activation_plan.offload.scope is cb.offloader
+    assert all(n.activation_plan.recompute.seams == {"forward"} for n in model.model.modules()
+               if type(n).__name__ == "RMSNorm")
     assert torch.isfinite(model.last_train_loss)
