@@ -156,3 +156,38 @@ def test_trainer_applies_it_as_a_model_transform_with_selective_recompute():
     assert all(n.activation_plan.recompute.seams == {"forward"} for n in model.model.modules()
                if type(n).__name__ == "RMSNorm")
     assert torch.isfinite(model.last_train_loss)
+
+
+def test_composition_order_of_recompute_and_offload(monkeypatch):
+    """The activation plan's order, seen in what is copied to the host: a recomputed experts forward inside the
+    experts' offload scope offloads only its region inputs (the internals are dropped and recomputed), while inside
+    a block that ``full`` recomputes the scope is innermost: the internals are offloaded as without recomputation
+    (offload wins) and the re-run in the backward offloads nothing again."""
+    from lightning_moe.parallel.parallelize import apply_ac
+
+    made = []
+    real = ao._Offloaded.__init__
+
+    def counting(self, t, stream):
+        made.append(tuple(t.shape))
+        real(self, t, stream)
+
+    monkeypatch.setattr(ao._Offloaded, "__init__", counting)
+    cfg = gqa_config()
+    ids = tokens(cfg)
+    base = step(copy.deepcopy(reference_model(cfg)), ids)
+    R, F = ids.numel() * cfg.moe.top_k, cfg.moe.expert_hidden_size
+
+    def run(kinds):
+        made.clear()
+        model = _offloaded(cfg, ["experts"])
+        apply_ac(model, kinds)
+        assert_same(step(model, ids), base)
+        return list(made)
+
+    alone = run("none")
+    assert len(alone) == 8 * cfg.num_moe_layers and (R, F) in alone
+    # region inputs: the rows, the counts and the rows' weights; no [R, F] intermediate
+    assert sorted(run(["experts"])) == sorted([(R, cfg.hidden_size), (cfg.moe.num_experts,), (R,)]
+                                              * cfg.num_moe_layers)
+    assert sorted(run(["full"])) == sorted(alone)
