@@ -54,7 +54,7 @@ from lightning_moe.optim import AdamW, MasterAdamW
 from lightning_moe.models.outputs import LMStepOutput
 from lightning_moe.parallel.finalize import finalize_step, finalizing_closure
 from lightning_moe.step import StepAccumulator, StepResult
-from lightning_moe.strategies import MoEParallelStrategy
+from lightning_moe.strategies import MoEParallelStrategy, ParallelRequirements
 
 
 
@@ -242,6 +242,11 @@ class MoELanguageModel(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         _check_strategy(self._strategy)
+
+    def parallel_requirements(self) -> ParallelRequirements:
+        """What :class:`~lightning_moe.MoEParallelStrategy` needs of this module (its one seam into it): the model
+        config it checks against the layout and the batches, and the master-weight dtype its FSDP2 reduces in."""
+        return ParallelRequirements(config=self.config, master_dtype=self.master_dtype)
 
     # ---- model construction: the build pipeline (lightning_moe.build) ---------------------------------------
     def configure_model(self) -> None:

@@ -47,6 +47,17 @@ def test_the_strategy_does_not_reach_into_the_module_to_finalise():
         assert banned not in text, banned
 
 
+def test_the_strategy_reads_the_module_through_its_one_seam():
+    """What the strategy needs of the module comes from module.parallel_requirements() (strategies/requirements.py):
+    no module attribute (config, master_dtype, model) is read in moe_parallel.py."""
+    text = (PACKAGE / "strategies" / "moe_parallel.py").read_text()
+    pattern = re.compile(r"\b(lightning_module|module)\.(config|master_dtype|model)\b|"
+                         r"getattr\((self\.lightning_module|module), \"(config|master_dtype|model)\"")
+    hits = [line.strip() for line in text.splitlines() if pattern.search(line)]
+    assert not hits, hits
+    assert pattern.search('getattr(self.lightning_module, "master_dtype", None)')
+
+
 def test_no_signature_probe_in_the_moe_package():
     hits = [path for path, text in _sources().items()
             if path.startswith("lightning_moe/moe/") and re.search(r"\binspect\.signature\b|from inspect import", text)]
