@@ -55,7 +55,7 @@ from lightning_moe.optim.schedule import warmup_cosine  # noqa: F401  (public he
 from lightning_moe.models.outputs import LMStepOutput
 from lightning_moe.parallel.finalize import finalize_step, finalizing_closure
 from lightning_moe.step import StepAccumulator, StepResult
-from lightning_moe.strategies import MoEParallelStrategy
+from lightning_moe.strategies import MoEParallelStrategy, ParallelRequirements
 
 _MASTER_DTYPES = {None: None, "fp32": torch.float32, "float32": torch.float32}
 
@@ -211,6 +211,11 @@ class MoELanguageModel(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         _check_strategy(self._strategy)
+
+    def parallel_requirements(self) -> ParallelRequirements:
+        """What :class:`~lightning_moe.MoEParallelStrategy` needs of this module (its one seam into it): the model
+        config it checks against the layout and the batches, and the master-weight dtype its FSDP2 reduces in."""
+        return ParallelRequirements(config=self.config, master_dtype=self.master_dtype)
 
     # ---- model construction: the build pipeline (lightning_moe.build) ---------------------------------------
     def configure_model(self) -> None:

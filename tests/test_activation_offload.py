@@ -122,7 +122,8 @@ def test_trainer_bf16_true_recomputed_blocks_with_offload_match_no_option():
     grads, losses, model = fit(MoEParallelStrategy(activation_checkpointing=["full", "norm", "moe_act", "attn_core"],
                                                    recompute_num_layers=2),
                                [ActivationOffload(["experts"], min_bytes=0)])
-    assert type(model.model.layers["0"]).__name__ == "CheckpointWrapper"
+    assert [b.activation_plan.recompute.seams for b in model.model.layers.values()] == [{"forward"}] * 2 + [set()] * (
+        len(model.model.layers) - 2)
     assert next(model.parameters()).dtype == torch.bfloat16
     assert losses == base_losses and len(losses) == 2
     assert grads.keys() == base.keys()
@@ -149,6 +150,44 @@ def test_trainer_applies_it_as_a_model_transform_with_selective_recompute():
                         strategy=MoEParallelStrategy(activation_checkpointing="norm,moe_act"), callbacks=[cb])
     fit_recording_losses(trainer, model, TextDataModule(seq_len=16, batch_size=2))
     experts = model.model.moe_layers()[0].experts
-    assert isinstance(experts.forward, ao._Scoped)
-    assert type(experts.act_down).__name__ == "Recomputed"
+    assert experts.activation_plan.offload.scope is cb.offloader
+    assert experts.activation_plan.recompute.seams == {"act_down"}
+    assert model.model.layers["0"].attention.activation_plan.offload.scope is cb.offloader
+    assert all(n.activation_plan.recompute.seams == {"forward"} for n in model.model.modules()
+               if type(n).__name__ == "RMSNorm")
     assert torch.isfinite(model.last_train_loss)
+
+
+def test_composition_order_of_recompute_and_offload(monkeypatch):
+    """The activation plan's order, seen in what is copied to the host: a recomputed experts forward inside the
+    experts' offload scope offloads only its region inputs (the internals are dropped and recomputed), while inside
+    a block that ``full`` recomputes the scope is innermost: the internals are offloaded as without recomputation
+    (offload wins) and the re-run in the backward offloads nothing again."""
+    from lightning_moe.parallel.parallelize import apply_ac
+
+    made = []
+    real = ao._Offloaded.__init__
+
+    def counting(self, t, stream):
+        made.append(tuple(t.shape))
+        real(self, t, stream)
+
+    monkeypatch.setattr(ao._Offloaded, "__init__", counting)
+    cfg = gqa_config()
+    ids = tokens(cfg)
+    base = step(copy.deepcopy(reference_model(cfg)), ids)
+    R, F = ids.numel() * cfg.moe.top_k, cfg.moe.expert_hidden_size
+
+    def run(kinds):
+        made.clear()
+        model = _offloaded(cfg, ["experts"])
+        apply_ac(model, kinds)
+        assert_same(step(model, ids), base)
+        return list(made)
+
+    alone = run("none")
+    assert len(alone) == 8 * cfg.num_moe_layers and (R, F) in alone
+    # region inputs: the rows, the counts and the rows' weights; no [R, F] intermediate
+    assert sorted(run(["experts"])) == sorted([(R, cfg.hidden_size), (cfg.moe.num_experts,), (R,)]
+                                              * cfg.num_moe_layers)
+    assert sorted(run(["full"])) == sorted(alone)

@@ -173,19 +173,37 @@ def test_strategy_without_deep_ep_names_the_recipe(monkeypatch):
 
 
 def test_stale_deep_ep_is_refused(monkeypatch):
-    """PyPI's old snapshot, or anything without the V1 Buffer API we call (expert_alignment included)."""
+    """PyPI's old snapshot, or anything without the V1 Buffer API we call: a missing method at import, a dispatch
+    without the V1 keywords (expert_alignment) at its first call, before anything runs; other TypeErrors pass."""
 
-    class OldBuffer(FakeBuffer):
-        def dispatch(self, x, handle=None, topk_idx=None, topk_weights=None):  # no expert_alignment
-            raise AssertionError
-
-    monkeypatch.setitem(sys.modules, "deep_ep", _fake_deep_ep(OldBuffer))
-    with pytest.raises(RuntimeError, match="lacks the V1 Buffer API") as info:
+    NoCombine = type("NoCombine", (), {k: v for k, v in vars(FakeBuffer).items() if k != "combine"})
+    monkeypatch.setitem(sys.modules, "deep_ep", _fake_deep_ep(NoCombine))
+    with pytest.raises(RuntimeError, match=r"lacks the V1 Buffer API this backend calls \(combine\)") as info:
         DeepEPDispatcher(None)
     _assert_names_recipe(info.value)
     monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))
     with pytest.raises(RuntimeError, match="lacks the V1 Buffer API"):
         deepep.import_deep_ep()
+
+    class OldBuffer:
+        def get_dispatch_layout(self, topk_idx, num_experts):
+            return None, None, None, None, None
+
+        def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                     is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None):
+            raise AssertionError("not reached: the call's binding fails first")  # no expert_alignment
+
+    x, probs, ids = torch.randn(3, 8), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"lacks the V1 Buffer API.*expert_alignment") as info:
+        deepep._Dispatch.apply(x, probs, ids, 4, 1, deepep._DeepEPState(OldBuffer()))
+    _assert_names_recipe(info.value)
+
+    def kernel_error(self, x, **kwargs):
+        raise TypeError("a kernel's own argument error")
+
+    OldBuffer.dispatch = kernel_error
+    with pytest.raises(TypeError, match="a kernel's own argument error"):
+        deepep._Dispatch.apply(x, probs, ids, 4, 1, deepep._DeepEPState(OldBuffer()))
 
 
 def test_no_cuda_is_refused(monkeypatch):

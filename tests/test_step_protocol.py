@@ -47,11 +47,32 @@ def test_the_strategy_does_not_reach_into_the_module_to_finalise():
         assert banned not in text, banned
 
 
+def test_the_strategy_reads_the_module_through_its_one_seam():
+    """What the strategy needs of the module comes from module.parallel_requirements() (strategies/requirements.py):
+    no module attribute (config, master_dtype, model) is read in moe_parallel.py."""
+    text = (PACKAGE / "strategies" / "moe_parallel.py").read_text()
+    pattern = re.compile(r"\b(lightning_module|module)\.(config|master_dtype|model)\b|"
+                         r"getattr\((self\.lightning_module|module), \"(config|master_dtype|model)\"")
+    hits = [line.strip() for line in text.splitlines() if pattern.search(line)]
+    assert not hits, hits
+    assert pattern.search('getattr(self.lightning_module, "master_dtype", None)')
+
+
 def test_no_signature_probe_in_the_moe_package():
     hits = [path for path, text in _sources().items()
-            if path.startswith("lightning_moe/moe/") and "inspect.signature" in text]
-    # the one left: DeepEP's V1-API check at import (build time, never per step); see docs/architecture.md
-    assert hits in ([], ["lightning_moe/moe/dispatch/deepep.py"]), hits
+            if path.startswith("lightning_moe/moe/") and re.search(r"\binspect\.signature\b|from inspect import", text)]
+    assert hits == [], hits
+
+
+def test_recompute_and_offload_replace_no_method():
+    """The activation plans are read at the seams (lightning_moe/activation_plan.py): no method is assigned over,
+    no wrapper protocol, no module wrapper around blocks."""
+    pattern = re.compile(r"\brecompute_inside\b|\bcheckpoint_wrapper\b|\.(forward|act_down|up_proj|kernel|"
+                         r"core_attention_call)\s*=[^=]|setattr\([^)]*[\"'](forward|act_down|up_proj|kernel)[\"']")
+    hits = [f"{path}:{i + 1}: {line.strip()}" for path, text in _sources().items()
+            for i, line in enumerate(text.splitlines()) if pattern.search(line)]
+    assert not hits, "\n".join(hits)
+    assert pattern.search("m.forward = _Scoped(m.forward)") and pattern.search('setattr(obj, "act_down", f)')
 
 
 def test_the_rule_finds_a_side_channel(tmp_path):

@@ -127,3 +127,49 @@ def test_gradients_are_freed_after_the_optimizer_step(free):
     for flags in seen[1:]:
         assert not any(flags) if free else all(flags)
     assert torch.isfinite(model.last_train_loss)
+
+
+def _trainer(**kw):
+    from lightning_moe import MoEParallelStrategy
+
+    return L.Trainer(accelerator="cpu", devices=1, strategy=MoEParallelStrategy(**kw), max_steps=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     limit_val_batches=0)
+
+
+def test_a_module_without_parallel_requirements_is_refused():
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    with pytest.raises(TypeError, match=r"declares parallel_requirements\(\).*got BoringModel"):
+        _trainer().fit(BoringModel())
+
+
+def test_the_strategy_reads_the_module_through_parallel_requirements_only(monkeypatch):
+    """The config and master dtype the strategy acts on are those parallel_requirements() returns, not the module's
+    attributes: a smaller max_seq_len there fails the first batch; a master dtype there reaches FSDP2's reduce dtype."""
+    import dataclasses
+
+    import lightning_moe.strategies.moe_parallel as moe_parallel
+    from lightning_moe import MoELanguageModel
+    from lightning_moe.strategies import ParallelRequirements
+
+    class Declared(MoELanguageModel):
+        declared: ParallelRequirements
+
+        def parallel_requirements(self):
+            return self.declared
+
+    seen = []
+    real = moe_parallel.parallelize
+    monkeypatch.setattr(moe_parallel, "parallelize", lambda model, dims, **kw: seen.append(kw) or real(model, dims, **kw))
+    model = Declared(small_config(), warmup_steps=0)
+    assert model.master_dtype is None
+    model.declared = ParallelRequirements(dataclasses.replace(model.config, max_seq_len=4), master_dtype=torch.float32)
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len=4"):
+        _trainer().fit(model, datamodule=FixedData(2, 4))
+    assert seen[0]["reduce_dtype"] is torch.float32
+    with pytest.raises(TypeError, match="must return a lightning_moe.strategies.ParallelRequirements"):
+        model.declared = model.config
+        _trainer().fit(model, datamodule=FixedData(2, 4))
+    with pytest.raises(TypeError, match="config must be a lightning_moe.ModelConfig"):
+        ParallelRequirements({"hidden_size": 64})

@@ -3,8 +3,9 @@
 How (public torch APIs only):
 
 * **scope**: ``transform_model`` (a model transform of the build pipeline, DESIGN invariant 11: it runs on the meta
-  model before parallelisation) wraps the ``forward`` of every chosen module; the wrapper runs it under
-  ``torch.autograd.graph.saved_tensors_hooks``. Instance attributes only: state-dict keys are unchanged, and the
+  model before parallelisation) sets the offload policy of every chosen module's activation plan
+  (:mod:`lightning_moe.activation_plan`); the module's forward then runs under
+  ``torch.autograd.graph.saved_tensors_hooks``. A plan is an attribute: state-dict keys are unchanged, and the
   hooks of FSDP2 / tensor parallelism (on module calls) stay outside.
 * **forward**: each saved tensor of at least ``min_bytes`` (plain tensors only: weights, their views and casts, and
   DTensors stay) is copied into a pinned host buffer on a side CUDA stream that first waits for the compute
@@ -17,8 +18,9 @@ How (public torch APIs only):
   autograd's saved-tensor slots, so each is freed once its node has run.
 * Recomputation (activation checkpointing) regions nest inside and keep their own hooks: what they drop is
   recomputed, not offloaded; their inputs are saved through the offload hooks. Inside blocks that ``full``
-  checkpointing wraps, the offload hooks are innermost: what they offload is not recomputed (offload wins).
-  Forwards re-run inside backward are not offloaded.
+  checkpointing recomputes, the offload hooks are innermost: what they offload is not recomputed (offload wins).
+  Forwards re-run inside backward are not offloaded. (The order is the activation plan's: ``ActivationPlan.forward``
+  and ``ActivationPlan.block``.)
 
 Without CUDA the copies are synchronous (a host copy at the forward, a copy of that at the prefetch or use): the
 same steps run, so CPU tests check exactness and the prefetch order.
@@ -40,6 +42,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from lightning_moe.activation_plan import plan_activations
 from lightning_moe.autograd import in_recomputation
 
 __all__ = ["ActivationOffload", "OFFLOAD_MODULES"]
@@ -177,6 +180,8 @@ class _Group:
 
 
 class _Offloader:
+    """The offload scope (:class:`~lightning_moe.activation_plan.OffloadScope`) every chosen module's plan holds."""
+
     def __init__(self, min_bytes: int, prefetch: bool) -> None:
         self.min_bytes, self.prefetch = min_bytes, prefetch
         self.last: Optional[_Group] = None
@@ -211,20 +216,6 @@ class _Offloader:
         return out
 
 
-class _Scoped:
-    """A module's ``forward`` run under the offload hooks (an instance attribute: no state-dict keys).
-    ``recompute_inside``: selective recomputation wraps ``inner``, so a recomputed region drops its tensors rather
-    than offloading them."""
-
-    recompute_inside = True
-
-    def __init__(self, inner: Callable[..., Any], offloader: _Offloader) -> None:
-        self.inner, self.offloader = inner, offloader
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.offloader.run(self.inner, *args, **kwargs)
-
-
 class ActivationOffload(L.Callback):
     """Keep the activations that chosen modules save for the backward in pinned host memory between forward and
     backward, copied on a side CUDA stream, overlapped with compute (see the module docstring).
@@ -251,11 +242,12 @@ class ActivationOffload(L.Callback):
         self.offloader = _Offloader(min_bytes, prefetch)
 
     def transform_model(self, model: nn.Module) -> None:
-        """Wrap the ``forward`` of every module of the chosen kinds (in place; idempotent)."""
+        """Plan every module of the chosen kinds to run its forward in this callback's offload scope (in place;
+        idempotent)."""
         types = tuple(t for kind in self.modules for t in _module_types(kind))
         for m in model.modules():
-            if isinstance(m, types) and not isinstance(m.forward, _Scoped):
-                m.forward = _Scoped(m.forward, self.offloader)
+            if isinstance(m, types):
+                plan_activations(m, offload=self.offloader)
 
     def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
                              batch_idx: int) -> None:

@@ -18,13 +18,14 @@ model that composes them; each is small, and they change together.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.activation_plan import ActivationPlan
 from lightning_moe.config import ModelConfig, YaRNScaling
 from lightning_moe.models import registry
 from lightning_moe.models.document_mask import DocumentMask, DocumentSegments, document_ids
@@ -36,6 +37,9 @@ from lightning_moe.moe.record import MoERecorder
 
 
 class RMSNorm(nn.Module):
+    activation_seams: ClassVar[tuple[str, ...]] = ("forward",)  # recompute "norm"
+    activation_plan: ActivationPlan = ActivationPlan()
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -46,6 +50,9 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.activation_plan.forward(self._forward, x)
+
+    def _forward(self, x: Tensor) -> Tensor:
         # Normalise in fp32 for stability, return the input dtype. With input and weight in one dtype, rms_norm
         # does exactly that itself (its reduced-precision kernels compute in fp32) and keeps the bf16 input for the
         # backward instead of an fp32 copy (half the saved bytes, one fewer pass).
@@ -144,10 +151,18 @@ class CoreAttention:
     [B, S], True = real token (None = no padding); padding keys are masked out; or, for packed sequences, a
     :class:`~lightning_moe.models.document_mask.DocumentMask` (block-causal per document, padding included).
     ``positions_S`` are the global positions of the local queries and keys; a single process ignores them (causal
-    by index)."""
+    by index). Its call is the seam ``activation_checkpointing=[attn_core]`` recomputes."""
+
+    activation_seams: ClassVar[tuple[str, ...]] = ("forward",)
+    activation_plan: ActivationPlan = ActivationPlan()
 
     def __call__(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, key_valid_BS: Optional[Tensor],
                  scale: Optional[float], positions_S: Tensor, k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
+        return self.activation_plan.forward(self._attend, q_BHSK, k_BGSK, v_BGSV, key_valid_BS, scale, positions_S,
+                                            k_shared_B1SP)
+
+    def _attend(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, key_valid_BS: Optional[Tensor],
+                scale: Optional[float], positions_S: Tensor, k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
         if isinstance(key_valid_BS, DocumentMask):
             return key_valid_BS.attend(q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP)
         k_BHSK, v_BHSV = expand_kv(q_BHSK.shape[1], k_BGSK, v_BGSV, k_shared_B1SP)
@@ -255,6 +270,9 @@ class Attention(nn.Module):
     """Grouped-query attention with optional qk-norm ("head": per-head RMSNorm as in Qwen3; "full": over all
     heads as in OLMoE)."""
 
+    activation_seams: ClassVar[tuple[str, ...]] = ("forward",)  # offload "attention"
+    activation_plan: ActivationPlan = ActivationPlan()
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         assert cfg.head_dim is not None
@@ -272,6 +290,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
                 cache: Optional[LayerKVCache] = None) -> Tensor:
+        return self.activation_plan.forward(self._forward, x_BSD, positions_S, mask, cache)
+
+    def _forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
+                 cache: Optional[LayerKVCache] = None) -> Tensor:
         """``mask``: the key padding mask [B, S] (True = real token; None = no padding), causal masking is implied;
         or a :class:`~lightning_moe.models.document_mask.DocumentMask` for packed sequences. With ``cache``:
         positions [B, S] and mask [B, 1, S, L] come from :meth:`KVCache.begin`; keys and values of earlier slots are
@@ -304,6 +326,9 @@ class MLAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value compression, a decoupled
     shared RoPE key."""
 
+    activation_seams: ClassVar[tuple[str, ...]] = ("forward", "up_proj")  # offload "attention"; recompute "mla_up_proj"
+    activation_plan: ActivationPlan = ActivationPlan()
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         D, H = cfg.hidden_size, cfg.num_heads
@@ -330,13 +355,18 @@ class MLAttention(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
                 cache: Optional[LayerKVCache] = None) -> Tensor:
+        return self.activation_plan.forward(self._forward, x_BSD, positions_S, mask, cache)
+
+    def _forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor],
+                 cache: Optional[LayerKVCache] = None) -> Tensor:
         """``mask`` as in :meth:`Attention.forward`: key padding [B, S] without a cache, [B, 1, S, L] with one."""
         if cache is not None:
             return self._forward_cached(x_BSD, positions_S, mask, cache)
         B, S, _ = x_BSD.shape
         kv = self.wkv_a(x_BSD)
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q, kv_up = self.up_proj(x_BSD if self.q_lora_rank is None else self.wq_a(x_BSD), c_kv)
+        q_in = x_BSD if self.q_lora_rank is None else self.wq_a(x_BSD)
+        q, kv_up = self.activation_plan.recompute.run("up_proj", self.up_proj, q_in, c_kv)
         q_BSHK = q.view(B, S, -1, self.nope + self.rope_dim)
         q_nope, q_pe = q_BSHK.split([self.nope, self.rope_dim], dim=-1)
         kv_BSHK = kv_up.view(B, S, -1, self.nope + self.v_dim)
@@ -384,18 +414,28 @@ class MLAttention(nn.Module):
 class FeedForward(nn.Module):
     """Dense SwiGLU MLP."""
 
+    activation_seams: ClassVar[tuple[str, ...]] = ("forward",)  # offload "mlp"
+    activation_plan: ActivationPlan = ActivationPlan()
+
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w1, self.w3 = _linear(dim, hidden_dim), _linear(dim, hidden_dim)
         self.w2 = _linear(hidden_dim, dim)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.activation_plan.forward(self._forward, x)
+
+    def _forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: attention and an MLP (dense, or MoE where ``cfg.is_moe_layer``); components are built by
-    name through :mod:`lightning_moe.models.registry`."""
+    name through :mod:`lightning_moe.models.registry`. Its forward is the seam of whole-block recomputation
+    (``full``) and of offload ``block``: recomputation outside the offload scope (``ActivationPlan.block``)."""
+
+    activation_seams: ClassVar[tuple[str, ...]] = ("forward",)
+    activation_plan: ActivationPlan = ActivationPlan()
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -411,6 +451,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor], padding_mask_BS: Optional[Tensor],
                 cache: Optional[KVCache] = None, recorder: Optional[MoERecorder] = None) -> Tensor:
+        return self.activation_plan.block(self._forward, x_BSD, positions_S, mask, padding_mask_BS, cache=cache,
+                                          recorder=recorder)
+
+    def _forward(self, x_BSD: Tensor, positions_S: Tensor, mask: Optional[Tensor], padding_mask_BS: Optional[Tensor],
+                 cache: Optional[KVCache] = None, recorder: Optional[MoERecorder] = None) -> Tensor:
         """``mask``: the attention's mask (see :meth:`Attention.forward`); ``padding_mask_BS``: the MoE layer's
         (True = real token); ``recorder``: receives the MoE layer's losses and routing record (see
         :class:`~lightning_moe.moe.record.MoERecorder`)."""

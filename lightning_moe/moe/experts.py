@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.activation_plan import ActivationPlan
 from lightning_moe.autograd import contiguous_grad_
 from lightning_moe.models import registry
 from lightning_moe.moe import kernels
@@ -88,6 +89,9 @@ class GroupedExperts(nn.Module):
 
     applies_row_weights: ClassVar[bool] = True
     gathers_rows_from_tokens: ClassVar[bool] = True
+    # recompute "experts" (forward), "moe_act" (act_down); offload "experts" (forward)
+    activation_seams: ClassVar[tuple[str, ...]] = ("forward", "act_down")
+    activation_plan: ActivationPlan = ActivationPlan()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -194,6 +198,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_RD: Optional[Tensor], counts_e: Tensor, probs_R: Optional[Tensor] = None, *,
                 rows_from: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
+        return self.activation_plan.forward(self._forward, x_RD, counts_e, probs_R, rows_from=rows_from)
+
+    def _forward(self, x_RD: Optional[Tensor], counts_e: Tensor, probs_R: Optional[Tensor] = None, *,
+                 rows_from: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
         if rows_from is not None:
             # (x_TD, asg_R, pos_TK): the rows are x_TD[asg_R // k] (zero rows where asg_R < 0), gathered here and
             # again in the backward instead of kept for the gate / up weight gradients (R x D: k times x_TD)
@@ -203,10 +211,10 @@ class GroupedExperts(nn.Module):
             w1, w2, w3, _ = self._local_weights(x_TD)
             self._check(x_TD, counts_e, w1.shape[0])
             if asg_R.shape[0] == 0:  # no rows: the general path's empty-operand handling
-                return self.forward(kernels.gather_rows(x_TD, asg_R, pos_TK.shape[1]), counts_e, probs_R)
+                return self._forward(kernels.gather_rows(x_TD, asg_R, pos_TK.shape[1]), counts_e, probs_R)
             offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
             g_RF, u_RF = _GatherGateUp.apply(x_TD.contiguous(), asg_R, pos_TK, w1, w3, offs_e)
-            return contiguous_grad_(self.act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
+            return contiguous_grad_(self._act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
         self._check_probs(x_RD, probs_R)
         if not self.use_grouped_mm:
             return self._loop(x_RD, counts_e, probs_R, "use_grouped_mm=False")
@@ -229,13 +237,20 @@ class GroupedExperts(nn.Module):
         # w[E, N, K].transpose(-2, -1) is the column-major [E, K, N] operand: x @ w[e].T, no copy
         g_RF = contiguous_grad_(gmm(x, w1.transpose(-2, -1), offs_e))
         u_RF = contiguous_grad_(gmm(x, w3.transpose(-2, -1), offs_e))
-        return contiguous_grad_(self.act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
+        return contiguous_grad_(self._act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
+
+    def _act_down(self, g_RF: Tensor, u_RF: Tensor, probs_R: Optional[Tensor], w2_EFD: Tensor,
+                  offs_e: Tensor) -> Tensor:
+        # region inputs gate, up and the row weights; the weight and the offsets are held as they are (an offload
+        # scope never copies a weight)
+        return self.activation_plan.recompute.run("act_down", self.act_down, g_RF, u_RF, probs_R,
+                                                  captured=(w2_EFD, offs_e))
 
     def act_down(self, g_RF: Tensor, u_RF: Tensor, probs_R: Optional[Tensor], w2_EFD: Tensor,
                  offs_e: Tensor) -> Tensor:
         """SwiGLU (times the rows' weights when given) and the down projection: the seam
         ``activation_checkpointing=[moe_act]`` recomputes (then h is not kept for the backward; see
-        :mod:`lightning_moe.parallel.recompute`)."""
+        :mod:`lightning_moe.activation_plan`)."""
         # SwiGLU: a fused Triton kernel on CUDA (lightning_moe.moe.kernels), the torch reference elsewhere
         return self.grouped_mm(swiglu(g_RF, u_RF, probs_R), w2_EFD, offs_e)
 
@@ -322,6 +337,9 @@ class SharedExperts(nn.Module):
     """Dense SwiGLU MLP seen by every token: ``w2(silu(w1 x) * w3 x)``, times ``sigmoid(gate(x))`` when gated
     (Qwen2-MoE). Weights: ``w1.weight`` [F, D], ``w3.weight`` [F, D], ``w2.weight`` [D, F], ``gate.weight`` [1, D]."""
 
+    activation_seams: ClassVar[tuple[str, ...]] = ("forward",)  # recompute and offload "shared_experts"
+    activation_plan: ActivationPlan = ActivationPlan()
+
     def __init__(
         self,
         dim: int,
@@ -360,6 +378,9 @@ class SharedExperts(nn.Module):
                 m.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.activation_plan.forward(self._forward, x)
+
+    def _forward(self, x: Tensor) -> Tensor:
         out = self.w2(F.silu(self.w1(x)) * self.w3(x))
         if self.gate is not None:
             out = torch.sigmoid(self.gate(x)) * out

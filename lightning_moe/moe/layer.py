@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_moe.activation_plan import ActivationPlan
 from lightning_moe.config import MoEConfig
 from lightning_moe.models.registry import build
 from lightning_moe.moe import experts as _experts  # noqa: F401  (registers the built-in experts this layer builds)
@@ -75,6 +76,7 @@ class MoELayer(nn.Module):
 
     regather_rows = True
     overlap_shared_experts = True
+    activation_seams = ("forward",)  # offload "moe"
 
     def __init__(
         self,
@@ -116,6 +118,15 @@ class MoELayer(nn.Module):
     def dispatcher(self) -> TokenDispatcher:
         return self.plan.dispatcher
 
+    @property
+    def activation_plan(self) -> ActivationPlan:
+        """The layer's recompute / offload policy: part of its plan (``plan.activations``)."""
+        return self.plan.activations
+
+    @activation_plan.setter
+    def activation_plan(self, value: ActivationPlan) -> None:  # a build step (plan_activations)
+        self.plan = dataclasses.replace(self.plan, activations=value)
+
     def replan(self, *, dispatcher: Optional[TokenDispatcher] = None, grouped_mm: Optional[GroupedMM] = None,
                **options: Any) -> MoELayerPlan:
         """Decide the layer's path again with a new component (``dispatcher``: parallelize; ``grouped_mm``: a model
@@ -131,7 +142,8 @@ class MoELayer(nn.Module):
                              "grouped-GEMM seam (set_grouped_mm)")
         plan = make_plan(self.experts, dispatcher if dispatcher is not None else self.plan.dispatcher,
                          has_shared_experts=self.shared_experts is not None,
-                         options=dataclasses.replace(self.plan.options, **options), grouped_mm=grouped_mm)
+                         options=dataclasses.replace(self.plan.options, **options), grouped_mm=grouped_mm,
+                         activations=self.plan.activations)
         if grouped_mm is not None:
             self.experts.set_grouped_mm(grouped_mm)
         self.plan = plan
@@ -142,6 +154,11 @@ class MoELayer(nn.Module):
 
     def forward(self, x_BSD: Tensor, padding_mask_BS: Optional[Tensor] = None, *,
                 recorder: Optional[MoERecorder] = None, layer_idx: int = 0) -> Tensor:
+        return self.activation_plan.forward(self._forward, x_BSD, padding_mask_BS, recorder=recorder,
+                                            layer_idx=layer_idx)
+
+    def _forward(self, x_BSD: Tensor, padding_mask_BS: Optional[Tensor] = None, *,
+                 recorder: Optional[MoERecorder] = None, layer_idx: int = 0) -> Tensor:
         """``padding_mask_BS``: bool [B, S], True = real token, False = padding (the router's convention; padding
         tokens are routed nowhere and get zero routed output; shared experts still see them). None = all real.
         ``recorder``: receives this forward's :class:`~lightning_moe.moe.record.MoERecord` under ``layer_idx``

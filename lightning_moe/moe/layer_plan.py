@@ -19,10 +19,12 @@ decision                    made from
                             experts still check that their fused kernel takes the input (CUDA, dtype: ``gathers_rows``)
 ``overlap_shared_experts``  the shared experts' forward runs inside the dispatch while the tokens travel: only with
                             shared experts and a dispatcher that ``overlaps``
+``activations``             the layer's recompute / offload policy (:class:`~lightning_moe.activation_plan.ActivationPlan`;
+                            ``MoELayer.activation_plan``): set by build steps through ``plan_activations``
+                            (``ActivationOffload(modules=[moe])``'s transform), kept by every re-plan. The experts and
+                            shared experts hold their own (``experts``, ``moe_act``, ``shared_experts``): their seams
+                            lie inside their forwards, inside the FSDP hooks on them
 ==========================  ===========================================================================================
-
-Recomputation and activation offload are still applied by wrapping methods (:mod:`lightning_moe.parallel.recompute`,
-:class:`~lightning_moe.callbacks.ActivationOffload`); a policy for each belongs here as one more resolved field.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Literal, Optional
 
 from torch import nn
 
+from lightning_moe.activation_plan import ActivationPlan
 from lightning_moe.moe.dispatch import WEIGHTS_APPLIED_BY, LocalDispatcher, TokenDispatcher, WeightsAppliedBy
 from lightning_moe.moe.grouped_mm import GroupedMM
 
@@ -65,16 +68,19 @@ class MoELayerPlan:
     regather_rows: bool
     overlap_shared_experts: bool
     options: PlanOptions = PlanOptions()
+    activations: ActivationPlan = ActivationPlan()
 
     def __str__(self) -> str:
-        fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.name != "options"]
+        fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                  if f.name != "options" and (f.name != "activations" or self.activations != ActivationPlan())]
         return f"MoELayerPlan({', '.join(fields)})"
 
 
 def make_plan(experts: nn.Module, dispatcher: TokenDispatcher, *, has_shared_experts: bool,
-              options: PlanOptions = PlanOptions(), grouped_mm: Optional[GroupedMM] = None) -> MoELayerPlan:
+              options: PlanOptions = PlanOptions(), grouped_mm: Optional[GroupedMM] = None,
+              activations: ActivationPlan = ActivationPlan()) -> MoELayerPlan:
     """Resolve ``options`` for these components. ``grouped_mm``: the implementation the experts are about to get
-    (default: the one they hold)."""
+    (default: the one they hold); ``activations``: the layer's recompute / offload policy, taken as it is."""
     if not isinstance(dispatcher, TokenDispatcher):
         raise TypeError(f"dispatcher must be a lightning_moe.moe.dispatch.TokenDispatcher, got "
                         f"{type(dispatcher).__name__}")
@@ -98,4 +104,5 @@ def make_plan(experts: nn.Module, dispatcher: TokenDispatcher, *, has_shared_exp
                        and grouped_mm is not None and grouped_mm.exact_torch),
         overlap_shared_experts=options.overlap_shared_experts and has_shared_experts and dispatcher.overlaps,
         options=options,
+        activations=activations,
     )

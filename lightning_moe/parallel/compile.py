@@ -39,7 +39,6 @@ def _regions(model: MoETransformer, names: tuple[str, ...]) -> list[nn.Module]:
     if "norm" in names:
         out += [m for m in model.modules() if isinstance(m, RMSNorm)]
     for block in model.layers.values():
-        block = getattr(block, "_checkpoint_wrapped_module", block)
         if "attention" in names:
             out.append(block.attention)
         if block.is_moe:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe.activation_plan import ActivationPlan
 from lightning_moe.autograd import contiguous_grad
 from lightning_moe.collectives import all_gather, all_gather_autograd, wait
 from lightning_moe.models.document_mask import DocumentMask, DocumentSegments
@@ -144,6 +145,9 @@ class AllGatherKVAttention:
     Note: the boolean mask keeps SDPA off the flash kernel (the memory-efficient or math kernel runs instead).
     """
 
+    activation_seams = ("kernel",)  # recompute "attn_core": the local attention after the gathers
+    activation_plan = ActivationPlan()
+
     def __init__(self, cp_group: Optional[dist.ProcessGroup] = None) -> None:
         self.cp_group = cp_group if cp_group is not None else dist.group.WORLD
         self.cp_size = dist.get_world_size(self.cp_group)
@@ -153,7 +157,9 @@ class AllGatherKVAttention:
 
     def __deepcopy__(self, memo: dict) -> "AllGatherKVAttention":
         # a deep-copied model (e.g. an EMA or reference copy) shares the process group, which cannot be copied
-        return type(self)(self.cp_group)
+        copied = type(self)(self.cp_group)
+        copied.activation_plan = self.activation_plan
+        return copied
 
     def _gather_seq(self, x_BHSK: Tensor) -> Tensor:
         """All-gather along the sequence dim (dim 2); the functional gather concatenates along dim 0."""
@@ -198,7 +204,8 @@ class AllGatherKVAttention:
             if self.cp_size > 1:
                 k_BGSK, v_BGSV = self._gather_seq(k_BGSK), self._gather_seq(v_BGSV)
                 k_shared_B1LP = None if k_shared_B1SP is None else self._gather_seq(k_shared_B1SP)
-            return self.kernel(q_BHSK, k_BGSK, v_BGSV, key_valid_BS.dense_B1SL, scale, k_shared_B1LP)
+            return self.activation_plan.recompute.run("kernel", self.kernel, q_BHSK, k_BGSK, v_BGSV,
+                                                      key_valid_BS.dense_B1SL, scale, k_shared_B1LP)
         if positions_S is None or positions_S.dim() != 1 or positions_S.shape[0] != S:
             got = None if positions_S is None else tuple(positions_S.shape)
             raise ValueError(
@@ -218,7 +225,8 @@ class AllGatherKVAttention:
             valid_BL = valid_BL.bool()
         else:
             k_BGLK, v_BGLV, k_shared_B1LP, k_pos, valid_BL = k_BGSK, v_BGSV, k_shared_B1SP, q_pos, valid_BS
-        return self.kernel(q_BHSK, k_BGLK, v_BGLV, padded_causal_mask(q_pos, k_pos, valid_BL), scale, k_shared_B1LP)
+        return self.activation_plan.recompute.run("kernel", self.kernel, q_BHSK, k_BGLK, v_BGLV,
+                                                  padded_causal_mask(q_pos, k_pos, valid_BL), scale, k_shared_B1LP)
 
     def kernel(self, q_BHSK: Tensor, k_BGLK: Tensor, v_BGLV: Tensor, mask_B1SL: Tensor, scale: Optional[float],
                k_shared_B1LP: Optional[Tensor] = None) -> Tensor:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from lightning_moe.autograd import recompute_context
+from lightning_moe.activation_plan import plan_activations
 from lightning_moe.models.transformer import MLAttention, MoETransformer
 from lightning_moe.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, DeepEPDispatcher
 from lightning_moe.parallel.compile import apply_compile
@@ -211,10 +211,10 @@ def apply_router_groups(model: MoETransformer, dims: ParallelDims) -> None:
 
 def apply_ac(model: MoETransformer, mode: Union[str, Sequence[str]] = "full",
              num_layers: Optional[int] = None) -> None:
-    """Activation checkpointing: ``"full"`` wraps whole transformer blocks (state-dict keys unchanged: the wrapper
-    strips its prefix); a list of kinds recomputes only those collective-free regions
-    (:mod:`lightning_moe.parallel.recompute`); both may be combined. ``num_layers``: with ``"full"``, wrap only the
-    first n blocks (Megatron's ``--recompute-method block --recompute-num-layers n``), the dial between no and full
+    """Activation checkpointing, planned into each module's activation plan (:mod:`lightning_moe.activation_plan`;
+    state-dict keys unchanged): ``"full"`` recomputes whole transformer blocks; a list of kinds recomputes only those
+    collective-free regions (:mod:`lightning_moe.parallel.recompute`); both may be combined. ``num_layers``: with
+    ``"full"``, recompute only the first n blocks (Megatron's ``--recompute-method block --recompute-num-layers n``), the dial between no and full
     recomputation; the selected kinds still apply to every block. ValueError for unknown kinds, or a
     ``num_layers`` without ``"full"`` or outside 1..number of blocks."""
     kinds = parse_activation_checkpointing(mode)
@@ -222,11 +222,9 @@ def apply_ac(model: MoETransformer, mode: Union[str, Sequence[str]] = "full",
     apply_recompute(model, [k for k in kinds if k != "full"])
     if "full" not in kinds:
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    blocks = list(model.layers.items())
-    for key, block in blocks[: len(blocks) if num_layers is None else num_layers]:
-        model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=recompute_context)
+    blocks = list(model.layers.values())
+    for block in blocks[: len(blocks) if num_layers is None else num_layers]:
+        plan_activations(block, recompute=["forward"])
 
 
 def _expert_shard_placement(experts: nn.Module, edp: int) -> Callable[[nn.Parameter], Shard]:
@@ -261,21 +259,20 @@ def apply_fsdp(
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     edp = expert_mesh.size(expert_mesh.ndim - 1) if expert_mesh is not None else 1  # HSDP: the inner dim shards
     for block in model.layers.values():
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
         ignored: set[nn.Parameter] = set()
-        if inner.is_moe:
+        if block.is_moe:
             if expert_mesh is not None:
-                fully_shard(inner.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                            shard_placement_fn=_expert_shard_placement(inner.moe.experts, edp))
-            elif any(isinstance(p, DTensor) for p in inner.moe.experts.parameters()):
+                fully_shard(block.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                            shard_placement_fn=_expert_shard_placement(block.moe.experts, edp))
+            elif any(isinstance(p, DTensor) for p in block.moe.experts.parameters()):
                 # experts split over every rank (ep x etp = W): nothing to shard or reduce, and their ep mesh
                 # must not meet the dense mesh in one FSDP group
-                ignored = set(inner.moe.experts.parameters())
+                ignored = set(block.moe.experts.parameters())
             if dense_mesh is not None:
                 # the router stays fp32 (its own FSDP group: one group cannot mix parameter dtypes under bf16-true,
                 # and a bf16 all-gather would round its weight)
                 # (kept gathered from forward to backward: E x D is small, and it spares one all-gather)
-                fully_shard(inner.moe.router, mesh=dense_mesh, mp_policy=fp32, reshard_after_forward=False)
+                fully_shard(block.moe.router, mesh=dense_mesh, mp_policy=fp32, reshard_after_forward=False)
         if dense_mesh is not None:
             fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                         ignored_params=ignored or None)

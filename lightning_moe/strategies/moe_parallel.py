@@ -11,6 +11,9 @@ checkpoint IO) it owns what makes MoE training exact under every layout:
   ``on_before_optimizer_step`` hook, and the strategy adds only its layout's groups (it never reads the module);
 * layout checks: sizes at Trainer construction, the model at setup, the batch at the first step, each a
   ValueError naming the fix, before any collective runs on bad sizes;
+* what it needs of the module (the model's config, the master-weight dtype) through ONE documented seam,
+  ``module.parallel_requirements()`` (:mod:`lightning_moe.strategies.requirements`): a module without it is a
+  TypeError at setup; the strategy reads nothing else of it;
 * checkpoints through torch.distributed.checkpoint with layout-independent keys (parameter names, global shapes)
   and the optimizer state by parameter name.
 
@@ -51,10 +54,13 @@ from lightning_moe.parallel.compile import resolve_compile
 from lightning_moe.parallel.layout import check_recompute_num_layers, parse_activation_checkpointing
 from lightning_moe.parallel.parallelize import DISPATCHERS, check_fsdp_dtypes, parallelize
 from lightning_moe.step import StepRecord, StepResult
+from lightning_moe.strategies.requirements import requirements_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_moe.config import ModelConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
            "fp16": torch.float16, "float16": torch.float16}
@@ -235,9 +241,9 @@ class MoEParallelStrategy(ParallelStrategy):
         super().setup_environment()  # the accelerator sets up the device
         dims = self._dims()
         module = self.lightning_module
-        if module is not None and hasattr(module, "config"):
+        if module is not None:
             # the model against the layout, before any process group is created
-            dims.validate(module.config, seq_len=None)
+            dims.validate(requirements_of(module, type(self).__name__).config, seq_len=None)
         if self._dispatcher == "deepep" and dims.ep_enabled:
             self._check_deepep(dims)
         self._init_process_group()
@@ -294,16 +300,9 @@ class MoEParallelStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        from lightning_moe.models.transformer import MoETransformer
-
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        if not isinstance(getattr(module, "model", None), MoETransformer):
-            raise TypeError(
-                f"{type(self).__name__} trains lightning_moe.MoELanguageModel (or a subclass): its configure_model "
-                f"builds the parallel model; got {type(module).__name__}"
-            )
+        requirements_of(self.lightning_module, type(self).__name__)  # also without setup_environment (tests)
         assert self.model is not None
         self.model_to_device()  # anything not built by the pipeline (e.g. a user's extra module)
         self.barrier()
@@ -385,7 +384,8 @@ class MoEParallelStrategy(ParallelStrategy):
 
     def parallelize_model(self, model: nn.Module) -> nn.Module:
         # fp32 master weights (the module's optimizer): their bf16 gradients are reduce-scattered in fp32
-        master = getattr(self.lightning_module, "master_dtype", None)
+        module = self.lightning_module
+        master = requirements_of(module, type(self).__name__).master_dtype if module is not None else None
         self._tp_sync_modules = parallelize(
             model,
             self.parallel_dims,
@@ -413,7 +413,7 @@ class MoEParallelStrategy(ParallelStrategy):
         The first batch is checked against the layout before any collective runs."""
         dims = self.parallel_dims
         if not self._batch_checked:
-            _check_batch_layout(batch, dims, self.lightning_module.config)
+            _check_batch_layout(batch, dims, requirements_of(self.lightning_module, type(self).__name__).config)
             self._batch_checked = True
         if not dims.cp_enabled:
             return batch
@@ -623,7 +623,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _check_batch_layout(batch: Mapping[str, Any], dims: ParallelDims, config: Any) -> None:
+def _check_batch_layout(batch: Mapping[str, Any], dims: ParallelDims, config: "ModelConfig") -> None:
     """The first batch against the layout: its sequence length (cp chunks, sequence-parallel split) and, for
     pad_to_capacity under ep, that it holds as many tokens as every other rank's will."""
     ids = batch["input_ids"]

@@ -41,7 +41,6 @@ tests/test_deepep_dispatcher.py runs everything else against a pure-torch stand-
 from __future__ import annotations
 
 import importlib
-import inspect
 import itertools
 import socket
 from dataclasses import dataclass
@@ -73,7 +72,9 @@ _API = ("get_dispatch_layout", "dispatch", "combine", "get_dispatch_config", "ge
 
 def import_deep_ep() -> Any:
     """The ``deep_ep`` module, imported on first use. RuntimeError naming the build recipe when it is missing, fails
-    to load (e.g. its extension was built against another torch), or lacks the V1 ``Buffer`` API used here."""
+    to load (e.g. its extension was built against another torch), or lacks a method of the V1 ``Buffer`` API used
+    here. Every DeepEP release since its first (1.0.0) takes ``dispatch(expert_alignment=...)``; a Buffer that does
+    not is refused at its first dispatch (:func:`_stale_buffer`), not by inspecting signatures."""
     try:
         deep_ep = importlib.import_module("deep_ep")
     except Exception as err:  # ImportError, or its compiled extension failing to load
@@ -81,12 +82,13 @@ def import_deep_ep() -> Any:
                            f"({type(err).__name__}: {err}). {INSTALL_HINT}") from err
     buffer = getattr(deep_ep, "Buffer", None)
     missing = [name for name in _API if not hasattr(buffer, name)]
-    if buffer is not None and not missing and "expert_alignment" not in inspect.signature(buffer.dispatch).parameters:
-        missing.append("dispatch(expert_alignment=...)")
     if buffer is None or missing:
-        raise RuntimeError(f"the installed deep_ep ({getattr(deep_ep, '__file__', '?')}) lacks the V1 Buffer API "
-                           f"this backend calls ({', '.join(missing) or 'Buffer'}). {INSTALL_HINT}")
+        raise _stale_buffer(f"the installed deep_ep ({getattr(deep_ep, '__file__', '?')})", missing or ["Buffer"])
     return deep_ep
+
+
+def _stale_buffer(what: str, missing: list[str]) -> RuntimeError:
+    return RuntimeError(f"{what} lacks the V1 Buffer API this backend calls ({', '.join(missing)}). {INSTALL_HINT}")
 
 
 def check_deepep_sizes(ep: int, etp: int) -> None:
@@ -179,10 +181,18 @@ class _Dispatch(torch.autograd.Function):
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids_TK, num_experts)
         # Buffer.dispatch, intranode non-cached branch: received rows, their local top-k ids (-1 elsewhere) and
         # weights (0 elsewhere), per-local-expert counts (a host list, aligned), the handle for combine
-        x_ND, ids_NK, w_NK, counts, handle, _ = buf.dispatch(
-            x_TD, topk_idx=ids_TK, topk_weights=probs_TK, num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            expert_alignment=alignment)
+        try:
+            x_ND, ids_NK, w_NK, counts, handle, _ = buf.dispatch(
+                x_TD, topk_idx=ids_TK, topk_weights=probs_TK, num_tokens_per_rank=per_rank,
+                num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                expert_alignment=alignment)
+        except TypeError as err:
+            # a Buffer without the V1 keywords (e.g. PyPI's stale snapshot) fails the call's binding, before any
+            # kernel or collective runs, on every rank alike: the capability check is the documented call itself
+            if "keyword argument" in str(err):
+                raise _stale_buffer(f"the deep_ep Buffer ({type(buf).__module__}.{type(buf).__qualname__})",
+                                    [f"dispatch(...): {err}"]) from err
+            raise
         st.handle, st.counts = handle, [int(c) for c in counts]
         ctx.st = st
         ctx.mark_non_differentiable(ids_NK)
