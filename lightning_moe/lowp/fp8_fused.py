@@ -37,6 +37,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_moe.lowp.fp8_grouped import _qdq_along, emulated_wgrad, pad_layout, quantize_rowwise
 from lightning_moe.moe import kernels
@@ -59,7 +60,7 @@ def _next_generation(optimizer, args, kwargs) -> None:
 
 def _ensure_step_hook() -> None:
     if not _HOOK:  # one process-wide hook: any optimizer step invalidates every cached FP8 weight
-        _HOOK.append(torch.optim.optimizer.register_optimizer_step_pre_hook(_next_generation))
+        _HOOK.append(register_optimizer_step_pre_hook(_next_generation))
 
 
 class Fp8WeightCache:
