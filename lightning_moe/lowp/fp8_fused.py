@@ -156,7 +156,11 @@ class _Ops:
 
 
 def _pad_rows(x_RC: Tensor, dest: Tensor, P: int) -> Tensor:
-    return x_RC.new_zeros(P, x_RC.shape[1]).index_copy(0, dest, x_RC.contiguous())
+    """Row r of x to row dest[r] of P zero rows (float8 moved as bytes: index_copy has no fp8 kernels)."""
+    x = x_RC.contiguous()
+    if x.dtype.itemsize == 1 and x.dtype.is_floating_point:
+        return _pad_rows(x.view(torch.uint8), dest, P).view(x.dtype)
+    return x.new_zeros(P, x.shape[1]).index_copy(0, dest, x)
 
 
 def _cached(cache: Optional[Fp8WeightCache], slot: str, layout: str, w: Tensor, make) -> Operand:

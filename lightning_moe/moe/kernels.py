@@ -285,7 +285,7 @@ def swiglu_quant_rowwise(g: Tensor, u: Tensor, p_R: Optional[Tensor] = None,
         h, q = torch.empty_like(g), torch.empty_like(g, dtype=q_dtype)
         s = torch.empty(R, device=g.device, dtype=torch.float32)
     else:
-        h, q = g.new_zeros(rows, F_), g.new_zeros(rows, F_, dtype=q_dtype)
+        h, q = g.new_zeros(rows, F_), _zeros(rows, F_, q_dtype, g.device)
         s = torch.zeros(rows, device=g.device, dtype=torch.float32)
     if g.numel():
         p = _c(p_R).float() if p_R is not None else s  # s: an unused pointer when HAS_P is False
@@ -304,7 +304,7 @@ def gather_quant_rowwise(x_TD: Tensor, asg_R: Tensor, k: int, dest_R: Tensor, ro
     no high-precision copy of the rows. Needs :func:`use_triton`."""
     _need_triton(x_TD, "gather_quant_rowwise")
     R, D = asg_R.shape[0], x_TD.shape[1]
-    q = x_TD.new_zeros(rows, D, dtype=q_dtype)
+    q = _zeros(rows, D, q_dtype, x_TD.device)
     s = torch.zeros(rows, device=x_TD.device, dtype=torch.float32)
     if R and D:
         x = _c(x_TD) if x_TD.shape[0] else x_TD.new_zeros(1, D)  # no tokens: every row is padding (asg < 0)
@@ -312,6 +312,13 @@ def gather_quant_rowwise(x_TD: Tensor, asg_R: Tensor, k: int, dest_R: Tensor, ro
         _kernels().gather_quant_rows_kernel[(R,)](x, _c(asg_R), _c(dest_R), q, s, D, K=k, BLOCK_D=block,
                                                   num_warps=warps)
     return q, s
+
+
+def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zeros of ``dtype``; float8 through a uint8 view (zero bytes are fp8 zeros; no fill kernel for fp8 needed)."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        return torch.zeros(rows, cols, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(rows, cols, dtype=dtype, device=device)
 
 
 def _need_triton(t: Tensor, what: str) -> None:
