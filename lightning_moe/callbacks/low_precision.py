@@ -20,7 +20,8 @@ state-dict keys, dtypes and checkpoints are unchanged and a checkpoint saved wit
   layer plan's ``fp8_fused``): the SwiGLU kernel quantizes the down projection's input, the row gather (where the
   experts gather their own rows) the gate / up input, and ``cache_fp8_weights`` makes each expert weight's FP8 copy
   once per optimizer step; the unfused path (``fuse_quant=False``) is the reference it equals to fp32 rounding.
-  Groups are padded to the kernel's alignment without a host sync (:func:`~lightning_moe.lowp.fp8_grouped.pad_groups`). Under expert parallelism the seam gets the local shards.
+  Groups are padded to the kernel's alignment without a host sync (:func:`~lightning_moe.lowp.fp8_grouped.pad_groups`).
+  Under expert parallelism the seam gets the local shards.
 * **always kept in the run's precision**: router, norms, embeddings, the LM head (``output``), the shared experts'
   sigmoid gate, losses; plus every module matching ``keep_bf16`` (fnmatch patterns on module names, a name also keeps
   its children: ``["layers.0", "layers.7"]`` keeps the first and last blocks, as NVIDIA's NVFP4 recipe does) and linears
