@@ -18,7 +18,8 @@ E 256), bf16 activations, fp32 combine weights, routing = random top-k of softma
 Run (repository root):
     python -m bench kernels_check                          # one GPU, well under 2 minutes
     python -m bench kernels_check --device cpu --small     # smoke test (Triton's interpreter, seconds)
-Options: --json PATH writes the rows; --shapes qwen3,deepseek; --no-layer.
+    python -m bench kernels_check --fp8-fused --shapes qwen3 --no-layer   # + FP8 fused vs unfused (needs torchao)
+Options: --json PATH writes the rows; --shapes qwen3,deepseek; --no-layer; --fp8-fused.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-layer", action="store_true")
+    p.add_argument("--fp8-fused", action="store_true",
+                   help="also the FP8 rowwise layer, quantization fused (lightning_moe.lowp.fp8_fused) vs unfused")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -265,6 +268,49 @@ def check_layer(rows, dev):
                      bare_gemm_ms=bare))
 
 
+def check_fp8_fused(rows, dev):
+    """The MoE layer with FP8 rowwise experts (torchao + torch._scaled_grouped_mm on a GPU, emulated on CPU), with
+    the quantization fused into the SwiGLU kernel and the row gather (lightning_moe.lowp.fp8_fused) vs the unfused
+    path (each GEMM quantizes its bf16 input): outputs and gradients, and fwd+bwd time of both ("torch ms" column:
+    unfused, "triton ms": fused; the bf16 layer's time beside them). Qwen3 shape; --small: 16-aligned toy dims."""
+    from lightning_moe.callbacks.low_precision import LowPrecisionGroupedMM
+
+    T, k, D, Fh, E = (48, 4, 64, 48, 8) if ARGS.small else SHAPES["qwen3"]
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(num_experts=E, top_k=k, expert_hidden_size=Fh), D).to(dev)
+    layer.experts.to(torch.bfloat16)
+    x = torch.randn(1, T, D, device=dev, dtype=torch.bfloat16)
+    gy = torch.randn_like(x)
+    emulate = dev.type != "cuda"
+    res = {}
+    with backend("triton"):
+        for name, gmm in (("bf16", None), ("unfused", LowPrecisionGroupedMM("fp8_rowwise", emulate, fuse=False)),
+                          ("fused", LowPrecisionGroupedMM("fp8_rowwise", emulate))):
+            if gmm is not None:
+                layer.replan(grouped_mm=gmm)
+            xi = x.detach().clone().requires_grad_()
+
+            def step():
+                layer.zero_grad(set_to_none=True)
+                xi.grad = None
+                out = layer(xi)
+                out.backward(gy)
+                return out
+
+            out = step()
+            res[name] = [out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
+            res[name + "_ms"] = timed(step, dev)
+            res[name + "_plan"] = (layer.plan.fp8_fused, layer.plan.regather_rows)
+    labels = ["out", "grad x"] + [f"grad {n}" for n, _ in layer.named_parameters()]
+    for label, a, b in zip(labels, res["fused"], res["unfused"]):
+        e = rel_err(a, b)
+        rows.append(dict(shape="qwen3", op=f"fp8 layer {label} (fused vs unfused)", err_triton=e, ok=e <= 2.0**-6))
+    rows.append(dict(shape="qwen3", op="fp8 plan fp8_fused, regather_rows", err_triton=0.0,
+                     ok=res["fused_plan"] == (True, True) and res["unfused_plan"] == (False, False)))
+    rows.append(dict(shape="qwen3", op="fp8 layer fwd+bwd time", torch_ms=res["unfused_ms"],
+                     triton_ms=res["fused_ms"], bf16_ms=res["bf16_ms"]))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     global ARGS
     ARGS = _args(argv)
@@ -292,6 +338,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_layer(rows, dev)
         except Exception:
             failures.append(f"layer: {traceback.format_exc()}")
+    if ARGS.fp8_fused:
+        try:
+            check_fp8_fused(rows, dev)
+        except Exception:
+            failures.append(f"fp8 fused: {traceback.format_exc()}")
 
     print(f"\n{'shape':9} {'check':44} {'err torch':>10} {'err triton':>10} {'ok':>3} {'torch ms':>9} "
           f"{'triton ms':>9} {'speedup':>7}")
@@ -307,6 +358,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             b = r["bare_gemm_ms"]
             print(f"{'':9} bare grouped GEMMs {b:.3f} ms: layer/bare torch {r['torch_ms'] / b:.2f}x, "
                   f"triton {r['triton_ms'] / b:.2f}x")
+        if "bf16_ms" in r:
+            print(f"{'':9} bf16 layer {r['bf16_ms']:.3f} ms: bf16/unfused {r['bf16_ms'] / r['torch_ms']:.2f}x, "
+                  f"bf16/fused {r['bf16_ms'] / r['triton_ms']:.2f}x")
     bad = [r for r in rows if r.get("ok") is False]
     print(f"\n{len(rows)} rows, {len(bad)} failed checks, {len(failures)} errors, {time.perf_counter() - t0:.1f} s on "
           f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu (Triton interpreter)'}, torch "

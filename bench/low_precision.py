@@ -182,7 +182,7 @@ def bench_layer(args: argparse.Namespace, device: torch.device, budget: Budget) 
                         cb.device = device
                         cb.transform_model(layer)
                         r["converted"], r["emulate"] = cb.converted, cb.emulate
-                    r["plan"] = str(layer.plan)  # FP8: regather_rows=False, every expert GEMM through the recipe
+                    r["plan"] = str(layer.plan)  # FP8 rowwise experts: fp8_fused=True
                     if rep == 0:
                         with torch.no_grad():
                             y = layer(x).float()

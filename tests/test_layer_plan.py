@@ -146,10 +146,18 @@ def test_planned_attributes_change_through_replan_only():
 def test_grouped_mm_is_a_typed_build_time_component():
     layer = _layer()
     assert type(layer.plan.grouped_mm) is TorchGroupedMM and layer.plan.regather_rows
-    impl = LowPrecisionGroupedMM("fp8_rowwise", emulate=True, name="experts")
+    impl = LowPrecisionGroupedMM("fp8_rowwise", emulate=True, name="experts", fuse=False)
     plan = layer.replan(grouped_mm=impl)
     # the fused row gather calls torch._grouped_mm itself: not with another implementation
     assert plan.grouped_mm is impl and layer.experts.grouped_mm is impl and not plan.regather_rows
+    assert not plan.fp8_fused
+    layer(torch.randn(2, 5, D)).sum().backward()
+    # unless it offers the quantizing gather (the FP8 rowwise one, fused: lightning_moe.lowp.fp8_fused)
+    fused = LowPrecisionGroupedMM("fp8_rowwise", emulate=True, name="experts")
+    plan = layer.replan(grouped_mm=fused)
+    assert plan.fp8_fused and plan.regather_rows
+    assert not layer.replan(fuse_fp8_quant=False).fp8_fused
+    impl = layer.replan(grouped_mm=impl).grouped_mm
     layer(torch.randn(2, 5, D)).sum().backward()
     # no per-expert loop fallback that would skip it: shapes it cannot take, and the loop, are errors
     experts = GroupedExperts(3, 6, 10, grouped_mm=LowPrecisionGroupedMM("fp8_rowwise", emulate=True))

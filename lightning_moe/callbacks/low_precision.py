@@ -15,8 +15,13 @@ state-dict keys, dtypes and checkpoints are unchanged and a checkpoint saved wit
   implementation (``MoELayer.replan(grouped_mm=...)``, :mod:`lightning_moe.moe.grouped_mm`; it refuses the per-expert
   loop fallback, which would skip it): FP8 rowwise grouped GEMM (torchao's on sm90, else
   :func:`~lightning_moe.lowp.fp8_grouped.emulated_fp8_rowwise_grouped_mm`), or ``block_scaled_grouped_mm`` for
-  MXFP8 / NVFP4. Groups are padded to the kernel's alignment without a host sync
-  (:func:`~lightning_moe.lowp.fp8_grouped.pad_groups`). Under expert parallelism the seam gets the local shards.
+  MXFP8 / NVFP4. With the FP8 rowwise grouped GEMM (``fp8_tensorwise`` / ``fp8_rowwise``) and ``fuse_quant`` (the
+  default) the quantization rides inside the experts' own passes (:mod:`lightning_moe.lowp.fp8_fused`, chosen by the
+  layer plan's ``fp8_fused``): the SwiGLU kernel quantizes the down projection's input, the row gather (where the
+  experts gather their own rows) the gate / up input, and ``cache_fp8_weights`` makes each expert weight's FP8 copy
+  once per optimizer step; the unfused path (``fuse_quant=False``) is the reference it equals to fp32 rounding.
+  Groups are padded to the kernel's alignment without a host sync (:func:`~lightning_moe.lowp.fp8_grouped.pad_groups`).
+  Under expert parallelism the seam gets the local shards.
 * **always kept in the run's precision**: router, norms, embeddings, the LM head (``output``), the shared experts'
   sigmoid gate, losses; plus every module matching ``keep_bf16`` (fnmatch patterns on module names, a name also keeps
   its children: ``["layers.0", "layers.7"]`` keeps the first and last blocks, as NVIDIA's NVFP4 recipe does) and linears
@@ -96,6 +101,7 @@ RECIPES = {
 AUTO = "auto"  # per-GEMM choice from the crossover table (lightning_moe.lowp.crossover)
 AUTO_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")  # what the table measures and auto may pick
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
+ROWWISE_GROUPED = ("fp8_tensorwise", "fp8_rowwise")  # recipes whose experts run the FP8 rowwise grouped GEMM
 SWAPPED_RECIPES = BLOCK_RECIPES + ("fp8_blockwise",)  # dense linears get their class swapped (not torchao's convert)
 # modules that stay in the run's precision whatever the options (suffixes of module names)
 ALWAYS_KEPT = ("output", "gate")  # the LM head; the shared experts' sigmoid gate (out dim 1)
@@ -167,12 +173,42 @@ class LowPrecisionGroupedMM(GroupedMM):
 
     fallback_hint = "fix the shapes, or keep these experts in high precision with keep_bf16"
 
-    def __init__(self, recipe: str, emulate: bool, name: str = "experts") -> None:
+    def __init__(self, recipe: str, emulate: bool, name: str = "experts", *, fuse: bool = True,
+                 cache_weights: bool = True) -> None:
         self.recipe, self.emulate, self.name = recipe, emulate, name
         self.align = RECIPES[recipe][1]
+        # both FP8 recipes run the experts as the rowwise grouped GEMM, whose quantization the experts' own passes can
+        # do (lightning_moe.lowp.fp8_fused); fuse=False keeps the unfused reference path
+        self.fused_fp8 = fuse and recipe in ROWWISE_GROUPED
+        self.weight_cache = None
+        if self.fused_fp8 and cache_weights:
+            from lightning_moe.lowp.fp8_fused import Fp8WeightCache
+
+            self.weight_cache = Fp8WeightCache()
 
     def __repr__(self) -> str:
-        return f"LowPrecisionGroupedMM(recipe={self.recipe!r}, emulate={self.emulate})"
+        fused = f", fused_fp8=True, cache_weights={self.weight_cache is not None}" if self.fused_fp8 else ""
+        return f"LowPrecisionGroupedMM(recipe={self.recipe!r}, emulate={self.emulate}{fused})"
+
+    def _check_dims(self, K: int, N: int) -> None:
+        if K % self.align or N % self.align:
+            raise ValueError(f"LowPrecisionTraining({self.recipe}): {self.name} GEMM dims K={K}, N={N} (local shard) "
+                             f"must be multiples of {self.align}; keep it in high precision with keep_bf16")
+
+    def swiglu_down(self, g_RF: Tensor, u_RF: Tensor, probs_R: Optional[Tensor], w_EKN: Tensor,
+                    offs_E: Tensor) -> Tensor:
+        from lightning_moe.lowp.fp8_fused import fp8_swiglu_down
+
+        self._check_dims(*w_EKN.shape[-2:])
+        return fp8_swiglu_down(g_RF, u_RF, probs_R, w_EKN, offs_E, emulate=self.emulate, cache=self.weight_cache)
+
+    def gather_gate_up(self, x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EKN: Tensor, w3_EKN: Tensor,
+                       offs_E: Tensor) -> tuple[Tensor, Tensor]:
+        from lightning_moe.lowp.fp8_fused import fp8_gather_gate_up
+
+        self._check_dims(*w1_EKN.shape[-2:])
+        return fp8_gather_gate_up(x_TD, asg_R, pos_TK, w1_EKN, w3_EKN, offs_E, emulate=self.emulate,
+                                  cache=self.weight_cache)
 
     def _fn(self):
         if self.recipe in BLOCK_RECIPES:
@@ -189,10 +225,7 @@ class LowPrecisionGroupedMM(GroupedMM):
     def __call__(self, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
         from lightning_moe.lowp.fp8_grouped import grouped_mm_padded
 
-        K, N = w_EKN.shape[-2:]
-        if K % self.align or N % self.align:
-            raise ValueError(f"LowPrecisionTraining({self.recipe}): {self.name} GEMM dims K={K}, N={N} (local shard) "
-                             f"must be multiples of {self.align}; keep it in high precision with keep_bf16")
+        self._check_dims(*w_EKN.shape[-2:])
         return grouped_mm_padded(self._fn(), x_MK, w_EKN, offs_E, self.align)
 
 
@@ -243,6 +276,15 @@ class LowPrecisionTraining(L.Callback):
             (``lightning_moe/lowp/crossover/<arch>.json``).
         min_speedup: (``auto``) the measured bf16 / FP8 time ratio a GEMM needs, from its M up, to be converted.
         fsdp_float8_all_gather: (``fp8_tensorwise`` only) FSDP2 all-gathers FP8 weights.
+        fuse_quant: (experts in ``fp8_tensorwise`` / ``fp8_rowwise``) quantize inside the passes the experts already
+            make (:mod:`lightning_moe.lowp.fp8_fused`): the SwiGLU kernel quantizes the down projection's input, and
+            where the experts gather their own rows (one process, fused kernels) the gather quantizes the gate / up
+            input; the same numbers as ``fuse_quant=False`` (the unfused reference: each GEMM quantizes its bf16
+            input), to fp32 rounding.
+        cache_fp8_weights: (with ``fuse_quant``) keep each expert weight's FP8 copies (forward and dgrad layouts)
+            until the next optimizer step, so a recompute or another micro-batch does not quantize it again: up to
+            the size of the bf16 expert weights in extra memory. Off when FSDP shards the experts (``edp_shard >
+            1``: the copies would be the unsharded weights).
 
     ``recipe="auto"``: when the model is built, every dense linear (M = tokens per micro-batch) and every MoE layer's
     gate / up and down grouped GEMM (M = tokens * top_k / local experts) is looked up in the table by its local
@@ -255,7 +297,8 @@ class LowPrecisionTraining(L.Callback):
     def __init__(self, recipe: str = AUTO, emulate: bool = False, experts: bool = True, dense: bool = True,
                  keep_bf16: Union[str, Sequence[str], None] = (), force: Union[str, Sequence[str], None] = (),
                  tokens_per_microbatch: Optional[int] = None, table: Union[str, Path, dict, None] = None,
-                 min_speedup: float = 1.0, fsdp_float8_all_gather: bool = False) -> None:
+                 min_speedup: float = 1.0, fsdp_float8_all_gather: bool = False, fuse_quant: bool = True,
+                 cache_fp8_weights: bool = True) -> None:
         if recipe != AUTO and recipe not in RECIPES:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: "
                              f"{[AUTO, *RECIPES]}")
@@ -278,6 +321,8 @@ class LowPrecisionTraining(L.Callback):
         self.tokens_per_microbatch = tokens_per_microbatch
         self.table, self.min_speedup = table, float(min_speedup)
         self.fsdp_float8_all_gather = bool(fsdp_float8_all_gather)
+        self.fuse_quant, self.cache_fp8_weights = bool(fuse_quant), bool(cache_fp8_weights)
+        self._edp_shard = 1
         self.device: Optional[torch.device] = None  # set by setup(); else the current CUDA device, else CPU
         self.converted: list[str] = []  # module names (auto: GEMM names) quantized by the last transform_model
         self.skipped: list[str] = []  # linears / experts left in high precision because of their dims
@@ -301,6 +346,7 @@ class LowPrecisionTraining(L.Callback):
         if isinstance(strategy, MoEParallelStrategy):
             dims = strategy.parallel_dims
             self._ep, self._etp, self._cp, self._tp = dims.ep, dims.etp, dims.cp, dims.tp
+            self._edp_shard = dims.edp_shard
             if self.dense and self.recipe in SWAPPED_RECIPES and dims.tp > 1:
                 raise ValueError(f"LowPrecisionTraining(recipe={self.recipe!r}) with tp={dims.tp}: block-scaled "
                                  "dense linears under tensor parallelism are not supported (blocks would straddle "
@@ -356,7 +402,7 @@ class LowPrecisionTraining(L.Callback):
                 if m.dim % align or m.hidden_dim % align:
                     self.skipped.append(name)
                     continue
-                _set_grouped_mm(m, layers, LowPrecisionGroupedMM(self.recipe, self.emulate, name))
+                _set_grouped_mm(m, layers, self._grouped_mm(self.recipe, name))
                 self.converted.append(name)
             elif self.dense and isinstance(m, nn.Linear) and not _is_converted_linear(m):
                 if m.in_features % align or m.out_features % align:
@@ -468,7 +514,7 @@ class LowPrecisionTraining(L.Callback):
         if recipes == {None}:
             return None
         if len(recipes) == 1:
-            return LowPrecisionGroupedMM(ds[0].recipe, self.emulate, name)
+            return self._grouped_mm(ds[0].recipe, name)
         # w_EKN of gate / up is [e, D, F_local], of down [e, F_local, D]: the grouped GEMM's (K, N)
         by_shape: dict[tuple[int, int], GroupedMM] = {}
         for d in ds:
@@ -476,9 +522,12 @@ class LowPrecisionTraining(L.Callback):
             if key in by_shape:
                 raise ValueError(f"LowPrecisionTraining(recipe='auto'): {name}'s gate / up and down GEMMs have the "
                                  f"same shape {key} but different choices; force or keep both")
-            by_shape[key] = TorchGroupedMM() if d.recipe is None else LowPrecisionGroupedMM(d.recipe, self.emulate,
-                                                                                           d.gemm.name)
+            by_shape[key] = TorchGroupedMM() if d.recipe is None else self._grouped_mm(d.recipe, d.gemm.name)
         return PerShapeGroupedMM(by_shape)
+
+    def _grouped_mm(self, recipe: str, name: str) -> LowPrecisionGroupedMM:
+        return LowPrecisionGroupedMM(recipe, self.emulate, name, fuse=self.fuse_quant,
+                                     cache_weights=self.cache_fp8_weights and self._edp_shard == 1)
 
     def _convert_dense(self, model: nn.Module, names: set[str], recipe: str) -> None:
         original = {name: type(model.get_submodule(name)) for name in names}

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["E4M3_MAX", "emulated_fp8_rowwise_grouped_mm", "fp8_rowwise_grouped_mm", "pad_groups", "qdq_fp8",
-           "grouped_mm_padded"]
+__all__ = ["E4M3_MAX", "emulated_dgrad", "emulated_fp8_rowwise_grouped_mm", "emulated_wgrad", "fp8_rowwise_grouped_mm",
+           "grouped_mm_padded", "pad_groups", "pad_layout", "qdq_fp8", "quantize_rowwise"]
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 EPS = 1e-12
@@ -61,6 +61,19 @@ def _qdq_per_group_cols(x_MC: Tensor, gid_M: Tensor, num_groups: int) -> Tensor:
     return qdq_fp8(x_MC, fp8_scale(amax)[gid_M])
 
 
+def emulated_dgrad(dy_MN: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    """``dx = dy @ w[g].T`` in fp32 on FP8 operands: dy rowwise over N, w per (e, k) over N."""
+    return torch._grouped_mm(_qdq_along(dy_MN, -1), _qdq_along(w_EKN, -1).transpose(-2, -1), offs=offs_E)
+
+
+def emulated_wgrad(x_MK: Tensor, dy_MN: Tensor, offs_E: Tensor, num_groups: int) -> Tensor:
+    """``dw[g] = x[g].T @ dy[g]`` ([E, K, N], fp32) on FP8 operands scaled per (group, column) over the group's rows."""
+    gid = _group_ids(offs_E, x_MK.shape[0])
+    xq = _qdq_per_group_cols(x_MK, gid, num_groups)
+    dq = _qdq_per_group_cols(dy_MN, gid, num_groups)
+    return torch._grouped_mm(xq.t(), dq, offs=offs_E)
+
+
 class _EmulatedFp8RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
@@ -74,17 +87,20 @@ class _EmulatedFp8RowwiseGroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            # dx = dy @ w[g].T: dy rowwise over N, w per (e, k) over N
-            dx = torch._grouped_mm(_qdq_along(dy_MN, -1), _qdq_along(w_EKN, -1).transpose(-2, -1), offs=offs_E)
-            dx = dx.to(x_MK.dtype)
+            dx = emulated_dgrad(dy_MN, w_EKN, offs_E).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            # dw[g] = x[g].T @ dy[g]: both scaled per (group, column) over the group's rows
-            gid = _group_ids(offs_E, x_MK.shape[0])
-            E = w_EKN.shape[0]
-            xq = _qdq_per_group_cols(x_MK, gid, E)
-            dq = _qdq_per_group_cols(dy_MN, gid, E)
-            dw = torch._grouped_mm(xq.t(), dq, offs=offs_E).to(w_EKN.dtype)
+            dw = emulated_wgrad(x_MK, dy_MN, offs_E, w_EKN.shape[0]).to(w_EKN.dtype)
         return dx, dw, None
+
+
+def quantize_rowwise(x_MK: Tensor, q_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[Tensor, Tensor]:
+    """The reference of the fused quantizers (:func:`lightning_moe.moe.kernels.swiglu_quant_rowwise`,
+    ``gather_quant_rowwise``): per-row e4m3 values ``q`` (in ``q_dtype``; float32 holds them exactly) and fp32
+    dequantization scales ``s`` [M] (``q * s[:, None]`` is :func:`qdq_fp8` of x with its rowwise scale)."""
+    scale = fp8_scale(x_MK.detach().abs().float().amax(dim=-1, keepdim=True)) if x_MK.shape[0] else \
+        x_MK.new_ones(0, 1, dtype=torch.float32)
+    q = (x_MK.detach().float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(q_dtype)
+    return q, (1.0 / scale).squeeze(-1)
 
 
 def emulated_fp8_rowwise_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
@@ -101,12 +117,10 @@ def fp8_rowwise_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tenso
                                                   pad_token_groups_for_grouped_mm=False)
 
 
-def pad_groups(x_MK: Tensor, offs_E: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Each group's rows moved to a start that is a multiple of ``align`` in a zero buffer of ``P`` rows, P =
-    ``M + E * (align - 1)`` rounded up to ``align`` (from shapes only: no host sync). Returns (x_PK, padded group
-    ends int32, dest_M: the padded row of each input row). Rows past the last group go after the last padded group.
-    Differentiable (index_copy)."""
-    M, E = x_MK.shape[0], offs_E.numel()
+def pad_layout(offs_E: Tensor, M: int, align: int) -> tuple[int, Tensor, Tensor]:
+    """Where :func:`pad_groups` puts each row: (P, padded group ends int32, dest_M: the padded row of each input row),
+    from shapes and device tensors only (no host sync)."""
+    E = offs_E.numel()
     P = -(-(M + E * (align - 1)) // align) * align
     ends = offs_E.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -114,10 +128,18 @@ def pad_groups(x_MK: Tensor, offs_E: Tensor, align: int) -> tuple[Tensor, Tensor
     pad_ends = torch.cumsum(pad_counts, 0)
     # shift of group g's rows = padded start - start; rows past the last group follow the last padded group
     shift = torch.cat([pad_ends - pad_counts - (ends - counts), (pad_ends[-1:] - ends[-1:])])
-    rows = torch.arange(M, device=x_MK.device)
-    dest = rows + shift[_group_ids(offs_E, M)]
+    rows = torch.arange(M, device=offs_E.device)
+    return P, pad_ends.to(torch.int32), rows + shift[_group_ids(offs_E, M)]
+
+
+def pad_groups(x_MK: Tensor, offs_E: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each group's rows moved to a start that is a multiple of ``align`` in a zero buffer of ``P`` rows, P =
+    ``M + E * (align - 1)`` rounded up to ``align`` (from shapes only: no host sync). Returns (x_PK, padded group
+    ends int32, dest_M: the padded row of each input row). Rows past the last group go after the last padded group.
+    Differentiable (index_copy)."""
+    P, pad_ends, dest = pad_layout(offs_E, x_MK.shape[0], align)
     x_PK = x_MK.new_zeros(P, x_MK.shape[1]).index_copy(0, dest, x_MK)
-    return x_PK, pad_ends.to(torch.int32), dest
+    return x_PK, pad_ends, dest
 
 
 def grouped_mm_padded(fn, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, align: int) -> Tensor:

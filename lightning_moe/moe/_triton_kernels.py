@@ -163,13 +163,28 @@ def _e4m3_rne(y):
 
 
 @triton.jit
-def swiglu_probs_quant_fwd_kernel(g_ptr, u_ptr, p_ptr, h_ptr, q_ptr, s_ptr, F, HAS_P: tl.constexpr,
-                                  BLOCK_F: tl.constexpr):
-    """h[r] = silu(g[r]) * u[r] (* p[r]) as :func:`swiglu_probs_fwd_kernel` computes it, and in the same program its
+def _pow2_scale(amax):
+    """torchao's rowwise FP8 scale of a row from its blockwise amaxes: 448 / amax (amax >= 1e-12) rounded down to a
+    power of two (the exponent bits kept)."""
+    a = tl.maximum(tl.max(amax, axis=0), 1e-12)
+    return ((448.0 / a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_e4m3(x, scale):
+    return _e4m3_rne(tl.minimum(tl.maximum(x * scale, -448.0), 448.0))
+
+
+@triton.jit
+def swiglu_probs_quant_fwd_kernel(g_ptr, u_ptr, p_ptr, dest_ptr, h_ptr, q_ptr, s_ptr, F, HAS_P: tl.constexpr,
+                                  HAS_DEST: tl.constexpr, BLOCK_F: tl.constexpr):
+    """h[o] = silu(g[r]) * u[r] (* p[r]) as :func:`swiglu_probs_fwd_kernel` computes it, and in the same program its
     FP8 e4m3 rowwise quantization (the down projection's input, torchao's rowwise numerics): scale = 448 / amax(h[r])
-    rounded down to a power of two (amax >= 1e-12), q[r] = e4m3(clamp(h[r] * scale)), s[r] = 1 / scale. Pass 1
-    stores h and its amax; pass 2 recomputes h from g, u (same math, same value) and stores q. Grid (R,)."""
+    rounded down to a power of two (amax >= 1e-12), q[o] = e4m3(clamp(h[r] * scale)), s[o] = 1 / scale; output row
+    o = dest[r] with HAS_DEST (the rows of a group-padded buffer), else r. Pass 1 stores h and its amax; pass 2
+    recomputes h from g, u (same math, same value) and stores q. Grid (R,)."""
     r = tl.program_id(0).to(tl.int64)
+    o = tl.load(dest_ptr + r).to(tl.int64) if HAS_DEST else r
     p = tl.load(p_ptr + r).to(tl.float32) if HAS_P else 1.0
     amax = tl.zeros([BLOCK_F], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
@@ -178,16 +193,38 @@ def swiglu_probs_quant_fwd_kernel(g_ptr, u_ptr, p_ptr, h_ptr, q_ptr, s_ptr, F, H
         g = tl.load(g_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
         h = (g * tl.sigmoid(g) * u * p).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + r * F + f, h, mask=m)
+        tl.store(h_ptr + o * F + f, h, mask=m)
         amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
-    a = tl.maximum(tl.max(amax, axis=0), 1e-12)
-    scale = ((448.0 / a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    scale = _pow2_scale(amax)
     for f0 in range(0, F, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)
         m = f < F
         g = tl.load(g_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + r * F + f, mask=m, other=0.0).to(tl.float32)
         h = (g * tl.sigmoid(g) * u * p).to(h_ptr.dtype.element_ty).to(tl.float32)
-        y = tl.minimum(tl.maximum(h * scale, -448.0), 448.0)
-        tl.store(q_ptr + r * F + f, _e4m3_rne(y).to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(s_ptr + r, 1.0 / scale)
+        tl.store(q_ptr + o * F + f, _quant_e4m3(h, scale).to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + o, 1.0 / scale)
+
+
+@triton.jit
+def gather_quant_rows_kernel(x_ptr, asg_ptr, dest_ptr, q_ptr, s_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The row gather of :func:`gather_rows_kernel` quantized as it gathers (the gate / up projections' input,
+    torchao's rowwise FP8 numerics as in :func:`swiglu_probs_quant_fwd_kernel`): row x[asg[r] // K] (asg < 0: a zero
+    row) -> q[dest[r]] (e4m3 values) and s[dest[r]] (1 / scale). Two passes over the row (amax, then quantize); no
+    high-precision copy is written. Grid (R,)."""
+    r = tl.program_id(0).to(tl.int64)
+    a = tl.load(asg_ptr + r).to(tl.int64)
+    o = tl.load(dest_ptr + r).to(tl.int64)
+    t = tl.maximum(a, 0) // K
+    amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = (d < D) & (_bcast(a, d) >= 0)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + t * D + d, mask=m, other=0.0).to(tl.float32)))
+    scale = _pow2_scale(amax)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dmask = d < D
+        v = tl.load(x_ptr + t * D + d, mask=dmask & (_bcast(a, d) >= 0), other=0.0).to(tl.float32)
+        tl.store(q_ptr + o * D + d, _quant_e4m3(v, scale).to(q_ptr.dtype.element_ty), mask=dmask)
+    tl.store(s_ptr + o, 1.0 / scale)

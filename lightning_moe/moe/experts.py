@@ -84,11 +84,14 @@ class GroupedExperts(nn.Module):
     takes ``probs_R`` and applies it: the layer's plan may then say ``weights_applied_by="experts"``) and
     ``gathers_rows_from_tokens`` (``forward`` takes ``rows_from``, see :meth:`gathers_rows`). A subclass that
     overrides ``forward`` declares neither unless it says so in its own body (its signature may be the bare
-    ``forward(x_RD, counts_e)``).
+    ``forward(x_RD, counts_e)``). ``fuses_fp8_quant``: ``forward`` takes ``fp8_fused=True`` (the plan's
+    ``fp8_fused``) and then runs its grouped GEMM's fused FP8 steps (``GroupedMM.swiglu_down``, and
+    ``gather_gate_up`` with ``rows_from``: :mod:`lightning_moe.lowp.fp8_fused`).
     """
 
     applies_row_weights: ClassVar[bool] = True
     gathers_rows_from_tokens: ClassVar[bool] = True
+    fuses_fp8_quant: ClassVar[bool] = True
     # recompute "experts" (forward), "moe_act" (act_down); offload "experts" (forward)
     activation_seams: ClassVar[tuple[str, ...]] = ("forward", "act_down")
     activation_plan: ActivationPlan = ActivationPlan()
@@ -96,7 +99,7 @@ class GroupedExperts(nn.Module):
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "forward" in cls.__dict__:  # a new forward takes what it declares, nothing inherited
-            for flag in ("applies_row_weights", "gathers_rows_from_tokens"):
+            for flag in ("applies_row_weights", "gathers_rows_from_tokens", "fuses_fp8_quant"):
                 if flag not in cls.__dict__:
                     setattr(cls, flag, False)
 
@@ -192,16 +195,17 @@ class GroupedExperts(nn.Module):
         suit the grouped GEMM."""
         w1 = _local(self.w1)
         dtype = _compute_dtype(x_TD, w1)
-        return (self.use_grouped_mm and self.grouped_mm.exact_torch
+        return (self.use_grouped_mm and (self.grouped_mm.exact_torch or self.grouped_mm.fused_fp8)
                 and x_TD.dtype == dtype and kernels.use_triton(x_TD)
                 and self._grouped_mm_problem(x_TD, dtype, w1.shape[0], w1.shape[1]) is None)
 
     def forward(self, x_RD: Optional[Tensor], counts_e: Tensor, probs_R: Optional[Tensor] = None, *,
-                rows_from: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
-        return self.activation_plan.forward(self._forward, x_RD, counts_e, probs_R, rows_from=rows_from)
+                rows_from: Optional[tuple[Tensor, Tensor, Tensor]] = None, fp8_fused: bool = False) -> Tensor:
+        return self.activation_plan.forward(self._forward, x_RD, counts_e, probs_R, rows_from=rows_from,
+                                            fp8_fused=fp8_fused)
 
     def _forward(self, x_RD: Optional[Tensor], counts_e: Tensor, probs_R: Optional[Tensor] = None, *,
-                 rows_from: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
+                 rows_from: Optional[tuple[Tensor, Tensor, Tensor]] = None, fp8_fused: bool = False) -> Tensor:
         if rows_from is not None:
             # (x_TD, asg_R, pos_TK): the rows are x_TD[asg_R // k] (zero rows where asg_R < 0), gathered here and
             # again in the backward instead of kept for the gate / up weight gradients (R x D: k times x_TD)
@@ -213,8 +217,12 @@ class GroupedExperts(nn.Module):
             if asg_R.shape[0] == 0:  # no rows: the general path's empty-operand handling
                 return self._forward(kernels.gather_rows(x_TD, asg_R, pos_TK.shape[1]), counts_e, probs_R)
             offs_e = torch.cumsum(counts_e, dim=0, dtype=torch.int32)
-            g_RF, u_RF = _GatherGateUp.apply(x_TD.contiguous(), asg_R, pos_TK, w1, w3, offs_e)
-            return contiguous_grad_(self._act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
+            if fp8_fused:  # the gather quantizes the rows for both projections
+                g_RF, u_RF = self.grouped_mm.gather_gate_up(x_TD.contiguous(), asg_R, pos_TK, w1.transpose(-2, -1),
+                                                            w3.transpose(-2, -1), offs_e)
+            else:
+                g_RF, u_RF = _GatherGateUp.apply(x_TD.contiguous(), asg_R, pos_TK, w1, w3, offs_e)
+            return contiguous_grad_(self._act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e, fp8_fused))
         self._check_probs(x_RD, probs_R)
         if not self.use_grouped_mm:
             return self._loop(x_RD, counts_e, probs_R, "use_grouped_mm=False")
@@ -237,20 +245,22 @@ class GroupedExperts(nn.Module):
         # w[E, N, K].transpose(-2, -1) is the column-major [E, K, N] operand: x @ w[e].T, no copy
         g_RF = contiguous_grad_(gmm(x, w1.transpose(-2, -1), offs_e))
         u_RF = contiguous_grad_(gmm(x, w3.transpose(-2, -1), offs_e))
-        return contiguous_grad_(self._act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e))
+        return contiguous_grad_(self._act_down(g_RF, u_RF, probs_R, w2.transpose(-2, -1), offs_e, fp8_fused))
 
     def _act_down(self, g_RF: Tensor, u_RF: Tensor, probs_R: Optional[Tensor], w2_EFD: Tensor,
-                  offs_e: Tensor) -> Tensor:
+                  offs_e: Tensor, fp8_fused: bool = False) -> Tensor:
         # region inputs gate, up and the row weights; the weight and the offsets are held as they are (an offload
         # scope never copies a weight)
         return self.activation_plan.recompute.run("act_down", self.act_down, g_RF, u_RF, probs_R,
-                                                  captured=(w2_EFD, offs_e))
+                                                  captured=(w2_EFD, offs_e), fp8_fused=fp8_fused)
 
     def act_down(self, g_RF: Tensor, u_RF: Tensor, probs_R: Optional[Tensor], w2_EFD: Tensor,
-                 offs_e: Tensor) -> Tensor:
+                 offs_e: Tensor, *, fp8_fused: bool = False) -> Tensor:
         """SwiGLU (times the rows' weights when given) and the down projection: the seam
         ``activation_checkpointing=[moe_act]`` recomputes (then h is not kept for the backward; see
-        :mod:`lightning_moe.activation_plan`)."""
+        :mod:`lightning_moe.activation_plan`). ``fp8_fused``: the SwiGLU quantizes h for the FP8 down GEMM."""
+        if fp8_fused:
+            return self.grouped_mm.swiglu_down(g_RF, u_RF, probs_R, w2_EFD, offs_e)
         # SwiGLU: a fused Triton kernel on CUDA (lightning_moe.moe.kernels), the torch reference elsewhere
         return self.grouped_mm(swiglu(g_RF, u_RF, probs_R), w2_EFD, offs_e)
 

@@ -24,6 +24,9 @@ What the kernels do (all math in fp32, results in the tensors' dtype; triton is 
   ``silu(g) * u * p`` (the combine weights applied before the down projection) and their gradient, a row sum.
 * :func:`swiglu_quant_rowwise` the same forward and, in the same kernel, h's FP8 e4m3 rowwise quantization (the down
   projection's input in torchao's rowwise recipe): one read of g and u per pass instead of a separate pass over h.
+* :func:`gather_quant_rowwise` the permute forward quantized as it gathers (the gate / up projections' FP8 input).
+  Both write into a group-padded layout when asked (the FP8 grouped GEMM's 16-row groups) and feed
+  :mod:`lightning_moe.lowp.fp8_fused`.
 
 The dispatchers (``_PermuteRows``, ``_UnpermuteRows``) and ``GroupedExperts`` call these through
 :func:`use_triton`; tests/test_moe_kernels.py checks every kernel against the reference (interpreter on CPU),
@@ -43,7 +46,7 @@ from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 __all__ = ["ENV_VAR", "backend", "use_triton", "k_sum", "gather_rows", "unpermute_backward", "swiglu",
-           "swiglu_reference", "swiglu_quant_rowwise"]
+           "swiglu_reference", "swiglu_backward", "swiglu_quant_rowwise", "gather_quant_rowwise"]
 
 ENV_VAR = "LIGHTNING_MOE_KERNELS"
 _CHOICES = ("auto", "torch", "triton")
@@ -199,9 +202,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh: Tensor):
         g, u = ctx.saved_tensors
-        dg, du = torch.empty_like(g), torch.empty_like(u)
-        _elementwise(_kernels().swiglu_bwd_kernel, g, u, _c(dh).to(g.dtype), dg, du)
-        return dg, du
+        return swiglu_backward(g, u, None, dh)[:2]
 
 
 def _elementwise(kernel, *tensors: Tensor) -> None:
@@ -230,15 +231,25 @@ class _SwiGLUProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh: Tensor):
         g, u, p = ctx.saved_tensors
-        dg, du = torch.empty_like(g), torch.empty_like(u)
-        need_dp = ctx.needs_input_grad[2]
-        dp = torch.zeros_like(p) if need_dp else None
-        R, F_ = g.shape
-        if g.numel():
-            block, warps = _row_block(F_)
-            _kernels().swiglu_probs_bwd_kernel[(R,)](g, u, p, _c(dh).to(g.dtype), dg, du, dp if need_dp else p, F_,
-                                                     NEED_DP=need_dp, BLOCK_F=block, num_warps=warps)
-        return dg, du, (dp.to(ctx.p_dtype) if need_dp else None)
+        dg, du, dp = swiglu_backward(g, u, p, dh, need_dp=ctx.needs_input_grad[2])
+        return dg, du, (dp.to(ctx.p_dtype) if dp is not None else None)
+
+
+def swiglu_backward(g: Tensor, u: Tensor, p: Optional[Tensor], dh: Tensor,
+                    need_dp: bool = True) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The kernels' backward of :func:`swiglu` from its saved (contiguous) ``g``, ``u`` and fp32 row weights ``p``
+    (None: no weights): ``(dg, du, dp)`` in g's dtype (dp fp32; None without weights or ``need_dp``)."""
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    if p is None:
+        _elementwise(_kernels().swiglu_bwd_kernel, g, u, _c(dh).to(g.dtype), dg, du)
+        return dg, du, None
+    dp = torch.zeros_like(p) if need_dp else None
+    R, F_ = g.shape
+    if g.numel():
+        block, warps = _row_block(F_)
+        _kernels().swiglu_probs_bwd_kernel[(R,)](g, u, p, _c(dh).to(g.dtype), dg, du, dp if need_dp else p, F_,
+                                                 NEED_DP=need_dp, BLOCK_F=block, num_warps=warps)
+    return dg, du, dp
 
 
 def swiglu(g: Tensor, u: Tensor, p_R: Optional[Tensor] = None) -> Tensor:
@@ -257,23 +268,60 @@ def swiglu_reference(g: Tensor, u: Tensor, p_R: Optional[Tensor] = None) -> Tens
 
 
 def swiglu_quant_rowwise(g: Tensor, u: Tensor, p_R: Optional[Tensor] = None,
-                         q_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[Tensor, Tensor, Tensor]:
+                         q_dtype: torch.dtype = torch.float8_e4m3fn, *, dest_R: Optional[Tensor] = None,
+                         rows: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Forward only: ``h = silu(g) * u`` (times ``p_R[:, None]``; fp32 math as :func:`swiglu`'s kernel), its FP8
     e4m3 rowwise quantization ``q`` (scale 448 / amax of the row, rounded down to a power of two, as torchao's rowwise
     recipe and :func:`lightning_moe.lowp.fp8_grouped.qdq_fp8` define it) and the rows' dequantization scales
-    ``s_R`` (``q * s`` is h quantized), in one Triton kernel. ``q_dtype`` float32 gives the e4m3 values in fp32 (the
-    CPU tests: Triton's interpreter cannot store fp8). Needs :func:`use_triton`."""
-    if not use_triton(g):
-        raise RuntimeError(f"swiglu_quant_rowwise is a Triton kernel: CUDA tensors (or the interpreter), got "
-                           f"{g.device.type} with {ENV_VAR}={backend()}")
+    ``s_R`` (``q * s`` is h quantized), in one Triton kernel. ``dest_R`` / ``rows``: row r of the results goes to row
+    ``dest_R[r]`` of zero-initialised outputs of ``rows`` rows (a group-padded layout,
+    :func:`lightning_moe.lowp.fp8_grouped.pad_layout`). ``q_dtype`` float32 gives the e4m3 values in fp32 (the CPU
+    tests: Triton's interpreter cannot store fp8). Needs :func:`use_triton`."""
+    _need_triton(g, "swiglu_quant_rowwise")
     dtype = torch.promote_types(g.dtype, u.dtype)
     g, u = _c(g).to(dtype), _c(u).to(dtype)
     R, F_ = g.shape
-    h, q = torch.empty_like(g), torch.empty_like(g, dtype=q_dtype)
-    s = torch.empty(R, device=g.device, dtype=torch.float32)
+    if dest_R is None:
+        h, q = torch.empty_like(g), torch.empty_like(g, dtype=q_dtype)
+        s = torch.empty(R, device=g.device, dtype=torch.float32)
+    else:
+        h, q = g.new_zeros(rows, F_), _zeros(rows, F_, q_dtype, g.device)
+        s = torch.zeros(rows, device=g.device, dtype=torch.float32)
     if g.numel():
         p = _c(p_R).float() if p_R is not None else s  # s: an unused pointer when HAS_P is False
+        dest = _c(dest_R) if dest_R is not None else s
         block, warps = _row_block(F_)
-        _kernels().swiglu_probs_quant_fwd_kernel[(R,)](g, u, p, h, q, s, F_, HAS_P=p_R is not None, BLOCK_F=block,
-                                                      num_warps=warps)
+        _kernels().swiglu_probs_quant_fwd_kernel[(R,)](g, u, p, dest, h, q, s, F_, HAS_P=p_R is not None,
+                                                      HAS_DEST=dest_R is not None, BLOCK_F=block, num_warps=warps)
     return h, q, s
+
+
+def gather_quant_rowwise(x_TD: Tensor, asg_R: Tensor, k: int, dest_R: Tensor, rows: int,
+                         q_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[Tensor, Tensor]:
+    """:func:`gather_rows` quantized as it gathers: ``x[asg[r] // k]`` (a zero row where ``asg[r] < 0``) in FP8 e4m3
+    with one power-of-two scale per row (the numerics of :func:`swiglu_quant_rowwise`), written to row ``dest_R[r]``
+    of zero-initialised ``q`` [rows, D] (``q_dtype``) and ``s`` [rows] (dequantization scales). One Triton kernel;
+    no high-precision copy of the rows. Needs :func:`use_triton`."""
+    _need_triton(x_TD, "gather_quant_rowwise")
+    R, D = asg_R.shape[0], x_TD.shape[1]
+    q = _zeros(rows, D, q_dtype, x_TD.device)
+    s = torch.zeros(rows, device=x_TD.device, dtype=torch.float32)
+    if R and D:
+        x = _c(x_TD) if x_TD.shape[0] else x_TD.new_zeros(1, D)  # no tokens: every row is padding (asg < 0)
+        block, warps = _row_block(D)
+        _kernels().gather_quant_rows_kernel[(R,)](x, _c(asg_R), _c(dest_R), q, s, D, K=k, BLOCK_D=block,
+                                                  num_warps=warps)
+    return q, s
+
+
+def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zeros of ``dtype``; float8 through a uint8 view (zero bytes are fp8 zeros; no fill kernel for fp8 needed)."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        return torch.zeros(rows, cols, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(rows, cols, dtype=dtype, device=device)
+
+
+def _need_triton(t: Tensor, what: str) -> None:
+    if not use_triton(t):
+        raise RuntimeError(f"{what} is a Triton kernel: CUDA tensors (or the interpreter), got "
+                           f"{t.device.type} with {ENV_VAR}={backend()}")

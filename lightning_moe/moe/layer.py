@@ -184,7 +184,7 @@ class MoELayer(nn.Module):
         # backward, keeping no [R, D] copy (k times x_TD) for their weight gradients. Else the dispatcher moves them.
         if plan.regather_rows and self.experts.gathers_rows(x_TD):
             counts_e, ctx = plan.dispatcher.layout(routing, self.num_experts, weights_applied_by=weights_by)
-            x_RD, rows_from = None, {"rows_from": (x_TD, ctx.asg_R, ctx.pos_TK)}
+            x_RD, expert_kw = None, {"rows_from": (x_TD, ctx.asg_R, ctx.pos_TK)}
         else:
             overlap = (lambda: shared_TD.append(self.shared_experts(x_TD))) if plan.overlap_shared_experts else None
             x_RD, counts_e, ctx = plan.dispatcher.dispatch(x_TD, routing, self.num_experts,
@@ -192,14 +192,16 @@ class MoELayer(nn.Module):
             if overlap is not None and len(shared_TD) != 1:
                 raise RuntimeError(f"{type(plan.dispatcher).__name__} declares overlaps=True but ran `overlap` "
                                    f"{len(shared_TD)} times (exactly once is the contract)")
-            rows_from = {}
+            expert_kw = {}
+        if plan.fp8_fused:  # the experts quantize inside their own passes (lightning_moe.lowp.fp8_fused)
+            expert_kw["fp8_fused"] = True
         # "experts": the experts get the rows' weights as an argument and scale their activation before the down
         # projection (as Megatron-Core does), so the combine is a plain sum whose backward keeps nothing of the
         # [R, D] expert output; "combine": the combine weights the rows.
         if weights_by == "experts":
-            y_RD = self.experts(x_RD, counts_e, ctx.probs_R, **rows_from)
+            y_RD = self.experts(x_RD, counts_e, ctx.probs_R, **expert_kw)
         else:
-            y_RD = self.experts(x_RD, counts_e, **rows_from)
+            y_RD = self.experts(x_RD, counts_e, **expert_kw)
         # combine in the input dtype (the k-sum accumulates in fp32 with the fused kernels)
         y_TD = plan.dispatcher.combine(y_RD.to(x_TD.dtype), ctx, weights_applied_by=weights_by)
         if self.shared_experts is not None:

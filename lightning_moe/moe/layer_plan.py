@@ -13,10 +13,15 @@ decision                    made from
                             ``supports_expert_weights`` (the experts then get the rows' weights as an argument and
                             combine sums unweighted), else ``"combine"``; asking for ``"experts"`` where a side cannot
                             is a ValueError
+``fp8_fused``               the experts quantize inside their own passes (the SwiGLU kernel quantizes the down
+                            projection's input; a row gather, the gate / up input): only with a grouped GEMM that is
+                            ``fused_fp8`` (the FP8 rowwise one, :mod:`lightning_moe.lowp.fp8_fused`) and experts that
+                            declare ``fuses_fp8_quant``; ``False`` keeps the unfused path (the reference)
 ``regather_rows``           the experts gather their rows from the tokens themselves (and again in the backward,
                             keeping no [R, D] copy): only with the ``LocalDispatcher``, experts that
-                            ``gathers_rows_from_tokens`` and a grouped GEMM that is ``exact_torch``; each forward the
-                            experts still check that their fused kernel takes the input (CUDA, dtype: ``gathers_rows``)
+                            ``gathers_rows_from_tokens`` and a grouped GEMM that is ``exact_torch`` or runs
+                            ``fp8_fused`` (the gather then quantizes); each forward the experts still check that their
+                            fused kernel takes the input (CUDA or the interpreter, dtype: ``gathers_rows``)
 ``overlap_shared_experts``  the shared experts' forward runs inside the dispatch while the tokens travel: only with
                             shared experts and a dispatcher that ``overlaps``
 ``activations``             the layer's recompute / offload policy (:class:`~lightning_moe.activation_plan.ActivationPlan`;
@@ -45,10 +50,12 @@ __all__ = ["MoELayerPlan", "PlanOptions", "make_plan"]
 @dataclass(frozen=True)
 class PlanOptions:
     """What is asked of a layer's plan. ``weights_applied_by="auto"``: the experts when both sides can;
-    ``regather_rows`` / ``overlap_shared_experts``: where the components allow it (same numbers either way)."""
+    ``regather_rows`` / ``overlap_shared_experts`` / ``fuse_fp8_quant``: where the components allow it (same numbers
+    either way, to fp32 rounding)."""
 
     weights_applied_by: Literal["auto", "combine", "experts"] = "auto"
     regather_rows: bool = True
+    fuse_fp8_quant: bool = True
     overlap_shared_experts: bool = True
 
     def __post_init__(self) -> None:
@@ -66,6 +73,7 @@ class MoELayerPlan:
     grouped_mm: Optional[GroupedMM]  # None: experts without the grouped-GEMM seam (a registered class)
     weights_applied_by: WeightsAppliedBy
     regather_rows: bool
+    fp8_fused: bool
     overlap_shared_experts: bool
     options: PlanOptions = PlanOptions()
     activations: ActivationPlan = ActivationPlan()
@@ -87,8 +95,11 @@ def make_plan(experts: nn.Module, dispatcher: TokenDispatcher, *, has_shared_exp
     # capabilities are class declarations (a registered experts class without them declares none)
     experts_apply = bool(getattr(type(experts), "applies_row_weights", False))
     experts_gather = bool(getattr(type(experts), "gathers_rows_from_tokens", False))
+    experts_fuse = bool(getattr(type(experts), "fuses_fp8_quant", False))
     if grouped_mm is None:
         grouped_mm = getattr(experts, "grouped_mm", None)
+    fp8_fused = (options.fuse_fp8_quant and experts_fuse and grouped_mm is not None
+                 and bool(getattr(grouped_mm, "fused_fp8", False)))
 
     asked = options.weights_applied_by
     if asked == "experts" and not (experts_apply and dispatcher.supports_expert_weights):
@@ -101,7 +112,8 @@ def make_plan(experts: nn.Module, dispatcher: TokenDispatcher, *, has_shared_exp
         grouped_mm=grouped_mm,
         weights_applied_by="experts" if by_experts else "combine",
         regather_rows=(options.regather_rows and isinstance(dispatcher, LocalDispatcher) and experts_gather
-                       and grouped_mm is not None and grouped_mm.exact_torch),
+                       and grouped_mm is not None and (grouped_mm.exact_torch or fp8_fused)),
+        fp8_fused=fp8_fused,
         overlap_shared_experts=options.overlap_shared_experts and has_shared_experts and dispatcher.overlaps,
         options=options,
         activations=activations,

@@ -1,0 +1,46 @@
+"""The fused FP8 path (lightning_moe.lowp.fp8_fused) on its real kernels: compiled Triton quantizers storing float8,
+torchao's quantizers and torch._scaled_grouped_mm (sm90), against the unfused torchao path. Skipped without an sm90 GPU
+and torchao; run this file on its own (tests/test_fp8_fused.py forces Triton's interpreter for the CPU tests):
+``python -m pytest -q tests/test_fp8_fused_gpu.py``."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from lightning_moe.config import MoEConfig
+from lightning_moe.moe import kernels
+from lightning_moe.moe.layer import MoELayer
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0)
+    or importlib.util.find_spec("torchao") is None, reason="needs an sm90 GPU and torchao")
+
+
+@pytest.mark.parametrize("weights_by", ["experts", "combine"])
+def test_fused_layer_matches_the_unfused_torchao_path(monkeypatch, weights_by):
+    from lightning_moe.callbacks.low_precision import LowPrecisionGroupedMM
+    from lightning_moe.moe import _triton_kernels
+
+    if _triton_kernels.INTERPRET:
+        pytest.skip("Triton's interpreter is on in this session: run this file on its own")
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    torch.manual_seed(0)
+    D, F, E, k, T = 256, 192, 16, 4, 1000
+    layer = MoELayer(MoEConfig(num_experts=E, top_k=k, expert_hidden_size=F), D).cuda()
+    layer.experts.to(torch.bfloat16)
+    layer.replan(weights_applied_by=weights_by)
+    x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    out = {}
+    for fuse in (True, False):
+        plan = layer.replan(grouped_mm=LowPrecisionGroupedMM("fp8_rowwise", emulate=False, fuse=fuse))
+        assert plan.fp8_fused == fuse and plan.regather_rows == fuse
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(dy)
+        out[fuse] = [y, xi.grad] + [p.grad.clone() for p in layer.parameters()]
+    for a, b in zip(out[True], out[False]):
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        assert err <= 2.0**-6, err  # the same FP8 operands; bf16 rounding of the summed input gradients differs
