@@ -87,8 +87,8 @@ def slowest(ms: float, device: torch.device) -> float:
 
 def _tests_fake_buffer() -> Any:
     """``FakeBuffer`` of tests/test_deepep_dispatcher.py (a pure-torch DeepEP Buffer), loaded from its file with the
-    tests' own helper module it imports (``_dist``)."""
-    for name in ("_dist", "test_deepep_dispatcher"):
+    tests' own helper modules it imports (``_dist``, ``_lane``)."""
+    for name in ("_dist", "_lane", "test_deepep_dispatcher"):
         if name not in sys.modules:
             spec = importlib.util.spec_from_file_location(name, TESTS / f"{name}.py")
             mod = importlib.util.module_from_spec(spec)
