@@ -40,7 +40,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from torch import nn
 
 _HERE = Path(__file__).resolve().parent
 
+from bench.core.timer import time_steps
 from lightning_moe.callbacks.low_precision import (  # noqa: E402
     ALWAYS_KEPT, RECIPES, LowPrecisionGroupedMM, LowPrecisionTraining)
 from lightning_moe.lowp.crossover import SCHEMA, Gemm, crossover_m, device_arch, model_gemms  # noqa: E402
@@ -97,26 +97,6 @@ def shapes(presets: list[str], small: bool) -> list[tuple[Gemm, list[str]]]:
 def _pattern(name: str) -> str:
     parts = name.split(".")
     return ".".join("*" if p.isdigit() else p for p in parts)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for s, e in ev:
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize(device)
-        return statistics.median(s.elapsed_time(e) for s, e in ev)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def dense_step(recipe: Optional[str], N: int, K: int, M: int, device: torch.device, dtype: torch.dtype,
@@ -279,10 +259,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         return dense_step(recipe, g.N, g.K, M, device, dtype, args.emulate)
                     return grouped_step(recipe, g.N, g.K, M, groups, device, dtype, args.emulate)
 
-                base = time_ms(step(None), device, args.warmup, args.reps)
+                base = time_steps(step(None), device, args.warmup, args.reps)["ms"]
                 for r in recipes:
                     try:
-                        ms = time_ms(step(r), device, args.warmup, args.reps)
+                        ms = time_steps(step(r), device, args.warmup, args.reps)["ms"]
                     except Exception as e:  # noqa: BLE001 - a recipe that fails at a shape is recorded
                         table["errors"].append(f"{label} M={M} {r}: {type(e).__name__}: {str(e)[:200]}")
                         continue
