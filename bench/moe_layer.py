@@ -111,11 +111,18 @@ def clear_grads(*tensors: torch.Tensor) -> None:
 
 
 def fwd_bwd_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One forward + backward of ``module`` against the output gradient ``dy``. Our MoE layer gets a fresh
+    ``MoERecorder`` each forward, as in a training step (the model passes one): its routing record (counts, entropy,
+    losses) is part of the layer's time; the aux / z losses are not added to the objective (the peers have none)."""
+    from lightning_moe.moe.layer import MoELayer
+    from lightning_moe.moe.record import MoERecorder
+
     params = [p for p in module.parameters() if p.requires_grad]
+    record = isinstance(module, MoELayer)
 
     def step() -> torch.Tensor:
         clear_grads(x, *params)
-        y = module(x)
+        y = module(x, recorder=MoERecorder()) if record else module(x)
         y.backward(dy)
         return y
 
