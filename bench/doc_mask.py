@@ -4,7 +4,7 @@
 The same packed batches twice: the embedded corpus (Python's standard library, one document per file) under the
 byte tokenizer, packed into windows by ``TextDataModule``; once plain (full causal attention over the window: SDPA
 ``is_causal``, flash) and once with ``document_mask=True`` (``position_ids`` restarting per document: attention
-block-causal per document, through ``attn_impl`` = cudnn, varlen or flex). Tokens per step are equal, so the ratio of
+block-causal per document, through ``attn_impl`` = varlen or flex). Tokens per step are equal, so the ratio of
 tokens/s is the ratio of step times. One training run per case (``bench/train_step.py``'s ``run_ours``: Lightning
 Trainer, bf16-true, fused AdamW, eager) rotates the kernels step by step, each batch once per kernel, so every kernel
 times the same windows on the same model and GPU state ("causal" drops the batch's ``position_ids``). ``--warmup``
@@ -17,7 +17,7 @@ only while every later case's target kernel still fits in the time left (estimat
 * ``qwen@4096``: the 8-layer Qwen3-30B-A3B-shaped bench model, batch 4 x 4096 (target: doc mask >= 0.97x causal);
 * ``qwen@16384``: the same, batch 1 x 16384 (target >= 1.03x);
 * ``dsv3@4096``: ``bench/deepseek_v3_step.py``'s DeepSeek-V3 shape (MLA, 192 / 128 head dims), batch 2 x 4096
-  (target >= 0.97x; varlen needs one head dim, so cudnn and flex only).
+  (target >= 0.97x; varlen needs one head dim, so flex only).
 
 Also printed: the fraction of the causal attention work (sum over documents of n(n+1)/2 against S(S+1)/2) that
 document masking leaves for each sequence length, over all training windows; and a correctness check on a small
@@ -135,7 +135,7 @@ def check_kernels(impls: list[str], device: torch.device, small: bool) -> list[d
             row: dict[str, Any] = {"check": f"{attention} {impl} vs sdpa", "dtype": str(dtype).replace("torch.", "")}
             try:
                 if device.type != "cuda":
-                    raise RuntimeError("flex / varlen / cudnn training needs CUDA (no CPU backward / kernel)")
+                    raise RuntimeError("flex / varlen training needs CUDA (no CPU backward / kernel)")
                 loss, grad = run(impl)
                 row["loss_rel_err"] = float((loss - ref_loss).abs() / ref_loss.abs())
                 row["grad_rel_err"] = float((grad - ref_grad).norm() / ref_grad.norm())
@@ -436,7 +436,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
-    p.add_argument("--impls", default="cudnn,varlen,flex",
+    p.add_argument("--impls", default="varlen,flex",
                    help="document-masked kernels (attn_impl), in priority order")
     p.add_argument("--steps", type=int, default=10, help="timed steps of each kernel")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each kernel first (flex compiles)")
@@ -455,7 +455,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.precision = "bf16-true" if args.device == "cuda" else "32-true"
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    kernels = ("cudnn", "varlen", "flex", "sdpa")
+    kernels = ("varlen", "flex", "sdpa")
     unknown = [c for c in args.cases if c not in TARGETS] + [i for i in args.impls if i not in kernels]
     if unknown:
         raise ValueError(f"unknown cases or kernels {unknown}; cases: {list(TARGETS)}, kernels: {', '.join(kernels)}")

@@ -23,9 +23,6 @@ attention:
   forward only (torch has no CPU backward for it).
 * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``), CUDA only; one
   head dim for q, k and v.
-* ``"cudnn"``: cuDNN's ragged flash attention over the same ``cu_seqlens``
-  (:mod:`lightning_moe.models.cudnn_ragged`), CUDA only; q/k and v head dims may differ. On the H200 cuDNN is SDPA's
-  causal kernel and the fastest of them.
 * ``"auto"``: on CUDA ``"varlen"`` when q, k and v share one head dim, else ``"flex"``; ``"sdpa"`` elsewhere.
 
 The kernel's inputs (the dense mask, the block mask, or ``cu_seqlens``) are built once per forward in
@@ -66,8 +63,6 @@ def resolve_attn_impl(impl: str, device: torch.device, same_head_dims: bool) -> 
         if device.type != "cuda":
             return "sdpa"
         return "varlen" if same_head_dims else "flex"
-    if impl == "cudnn" and device.type != "cuda":
-        raise ValueError("attn_impl='cudnn' runs on CUDA only (cuDNN's fused attention); use 'sdpa' (or 'flex') here")
     if impl == "varlen":
         if device.type != "cuda":
             raise ValueError("attn_impl='varlen' runs on CUDA only (flash attention); use 'sdpa' (or 'flex') here")
@@ -187,9 +182,8 @@ class DocumentMask:
 
     def __init__(self, doc_BS: Tensor, positions_S: Tensor, impl: str,
                  segments: Optional[DocumentSegments] = None) -> None:
-        if impl not in ("sdpa", "flex", "varlen", "cudnn"):
-            raise ValueError("DocumentMask needs a resolved attn_impl ('sdpa', 'flex', 'varlen' or 'cudnn'), got "
-                             f"{impl!r}")
+        if impl not in ("sdpa", "flex", "varlen"):
+            raise ValueError(f"DocumentMask needs a resolved attn_impl ('sdpa', 'flex' or 'varlen'), got {impl!r}")
         self.doc_BS, self.positions_S, self.impl = doc_BS, positions_S, impl
         B, S = doc_BS.shape
         self.dense_B1SL: Optional[Tensor] = None
@@ -209,12 +203,6 @@ class DocumentMask:
             self.dense_B1SL = dense_document_mask(doc_BS, positions_S, doc_BS, positions_S)
         elif self.row_runs == [(0, B, "causal")]:
             pass  # every row is one document: the plain causal kernel, no mask to build
-        elif impl == "cudnn":  # one ragged call over the whole batch: single-document rows are segments too
-            if segments is None:
-                self.cu_seqlens, self.max_len = varlen_segments(doc_BS)
-            else:
-                self.cu_seqlens = segments.cu_seqlens.to(doc_BS.device, non_blocking=True)
-                self.max_len = segments.max_seqlen
         elif impl == "flex":
             _, create_block_mask = _flex_functions(doc_BS.device)
 
@@ -274,8 +262,6 @@ class DocumentMask:
         H = q_BHSK.shape[1]
         if kind == "varlen":
             return self._varlen(q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP, self._run_cu.get(r0, self.cu_seqlens))
-        if kind == "cudnn":
-            return self._cudnn(q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP)
         if kind == "flex":
             flex_attention, _ = _flex_functions(q_BHSK.device)
             if k_shared_B1SP is not None:
@@ -286,10 +272,6 @@ class DocumentMask:
         if kind == "causal":  # the kernel of unpacked batches (CoreAttention's)
             return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, attn_mask=self.dense_B1SL, scale=scale)
-
-    def _cudnn(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
-               k_shared_B1SP: Optional[Tensor]) -> Tensor:
-        return _cudnn_attend(self, q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP)
 
     def _varlen(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
                 k_shared_B1SP: Optional[Tensor], cu_seqlens: Tensor) -> Tensor:
@@ -319,19 +301,6 @@ class DocumentMask:
         o_THV = varlen_attn(q_BSHK.reshape(T, H, -1), k_BSGK.reshape(T, G, -1), v_BSGV.reshape(T, G, -1),
                             cu_seqlens, cu_seqlens, self.max_len, self.max_len, **kw)
         return o_THV.view(B, S, H, -1).transpose(1, 2)
-
-
-def _cudnn_attend(mask: "DocumentMask", q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
-                  k_shared_B1SP: Optional[Tensor]) -> Tensor:
-    from lightning_moe.models.cudnn_ragged import cudnn_ragged_attention
-
-    B, H, S, _ = q_BHSK.shape
-    k_BHSK, v_BHSV = expand_kv(H, k_BGSK, v_BGSV, k_shared_B1SP)  # cuDNN's ragged mode takes no GQA
-    T = B * S
-    # [B, S, H, K] tensors viewed as [B, H, S, K] by the model: flattening them back is free for q
-    o_THV = cudnn_ragged_attention(q_BHSK.transpose(1, 2).reshape(T, H, -1), k_BHSK.transpose(1, 2).reshape(T, H, -1),
-                                   v_BHSV.transpose(1, 2).reshape(T, H, -1), mask.cu_seqlens, mask.max_len, scale)
-    return o_THV.view(B, S, H, -1).transpose(1, 2)
 
 
 def _runs(single: list[bool], impl: str) -> list[tuple[int, int, str]]:
