@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """DeepSeek-V3-shaped training step on one GPU: lightning_moe vs ``transformers``' DeepseekV3ForCausalLM (issue 13).
 
+One piece (about 670 lines): its numbered phases share one model config, one time budget and one report, and read
+top to bottom in the order the call runs them.
+
 One call, one process, one model alive at a time:
 
 0. Measures the bf16 matmul rate (8192^3, the MFU denominator, as ``bench/train_step.py`` does) and the device copy

@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Low-precision training (issue 11): speed of FP8 vs the high-precision run, and convergence of every recipe.
 
+One piece (about 650 lines): its three modes share one protocol (the baseline in the same process, the same
+precision), one recipe list and one report.
+
 Modes (``--mode``, comma-separated; all three by default), each against a baseline *in the same process* with the
 same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """MoE layer forward + backward on one device: lightning_moe vs the bare grouped GEMM, transformers and torchtitan.
 
+One piece (about 690 lines): every implementation is timed by the same step on the same x, dy and weights, and the
+table's ratios mean something only with that shared setup beside them.
+
 DESIGN "Benchmarks" / issue 10. Every implementation is measured in the same process, on the same input ``x``
 [1, T, D] and the same output gradient ``dy`` (fixed random, bf16 on CUDA), with the same expert weights where it
 can be arranged (our layer's weights are copied into the peers), one model alive at a time. A step is

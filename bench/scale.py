@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Multi-GPU scaling: per-GPU training throughput of lightning_moe layouts vs one GPU and vs transformers + FSDP2.
 
+One piece (about 610 lines): the argument checks, the per-layout run and the gather over ranks share one run record
+and one time budget; the trace analysis (bench/core/comm_trace.py) and the table (bench/scale_table.py) live apart.
+
 Issues 12 (2 GPUs) and 15 (4 and 8 GPUs). One script for any world size: launched by ``torchrun`` it trains on every
 process of the world; run by ``python`` it is the one-GPU reference. Each call writes one JSON file (rewritten after
 every run, so a call cut short keeps what it measured); ``--compare`` merges JSON files of several calls into one
@@ -134,8 +137,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -145,29 +146,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import deepseek_v3_step as ds, train_step as ts  # noqa: E402
+# comm_exposure and trace_kernels: this suite's API as the tests use it
+from bench.core.comm_trace import analyse_trace, comm_exposure, profile_summary, trace_kernels  # noqa: E402,F401
 from bench.core.schema import save as save_result  # noqa: E402
+from bench.scale_table import PEER, load_runs, summary_line, table  # noqa: E402
 from bench.parallel_check import layout_dims, parse_layout  # noqa: E402
 
 MODELS = ("qwen3", "deepseek_v3")
 ROUTINGS = ("learned", "forced")
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "dispatcher")
-PEER = "transformers+FSDP2"
 # kept after the deadline: the last run's teardown (ours moves its model and optimizer state to the host), its trace,
 # the gather, the table and the JSON
 TIME_RESERVE_S = 40.0
-# kernel names (Chrome trace, "cat": "kernel"): NCCL collectives, and among them the all-to-all (grouped send/recv)
-NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
-A2A_KERNEL = re.compile(r"sendrecv|alltoall|all_to_all", re.IGNORECASE)
-# targets (issue 12 at 2 GPUs, issue 15 at 8): (name, applies to a run?, value key, limit, higher is better)
-TARGETS: list[tuple[str, Callable[[dict], bool], str, float, bool]] = [
-    ("vs 1 GPU >= 95%", lambda r: r["world"] == 2, "vs_one_gpu", 0.95, True),
-    ("vs 1 GPU >= 90% (forced)", lambda r: r["world"] >= 4 and r["routing"] == "forced", "vs_one_gpu", 0.90, True),
-    ("vs peer >= 1.6x", lambda r: r["routing"] == "learned", "vs_peer", 1.6, True),
-    ("a2a exposed < 25%", lambda r: r["world"] == 2, "a2a_exposed_share", 0.25, False),
-    ("TFLOP/s/GPU >= 340", lambda r: r["world"] == 8 and r["model"].startswith("qwen3"), "tflops_per_gpu", 340.0,
-     True),
-]
-
 _RANK = int(os.environ.get("RANK", "0"))
 
 
@@ -332,76 +322,6 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str]]:
 
 
 # --------------------------------------------------------------------------------------- all-to-all exposure
-def trace_kernels(trace: Path) -> list[tuple[str, str, float, float]]:
-    """(name, stream, start_us, end_us) of every GPU kernel of a Chrome trace (torch.profiler's export)."""
-    data = json.loads(Path(trace).read_text())
-    events = data.get("traceEvents", []) if isinstance(data, dict) else data
-    out = []
-    for e in events:
-        if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel":
-            start = float(e["ts"])
-            out.append((str(e.get("name", "")), str((e.get("args") or {}).get("stream", e.get("tid"))), start,
-                        start + float(e.get("dur", 0.0))))
-    return out
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        elif e > s:
-            merged.append((s, e))
-    return merged
-
-
-def _length(merged: list[tuple[float, float]]) -> float:
-    return sum(e - s for s, e in merged)
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the intersection of two unions of disjoint sorted intervals."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def comm_exposure(kernels: list[tuple[str, str, float, float]], steps: int) -> dict[str, Any]:
-    """All-to-all (and all NCCL) kernel time per step and the part of it no compute kernel overlaps; see the module
-    docstring."""
-    comm = [k for k in kernels if NCCL_KERNEL.search(k[0])]
-    comm_streams = {k[1] for k in comm}
-    # every other kernel: one on a communication kernel's own stream cannot run beside it, so the stream need not be
-    # looked at (and NCCL may run a collective on the compute stream)
-    compute = _union([(s, e) for name, _, s, e in kernels if not NCCL_KERNEL.search(name)])
-    out: dict[str, Any] = {"profiled_steps": steps, "kernels": len(kernels), "comm_kernels": len(comm),
-                           "comm_streams": sorted(comm_streams), "compute_ms_per_step": _length(compute) / 1e3 / steps}
-    for key, sel in (("a2a", [k for k in comm if A2A_KERNEL.search(k[0])]), ("nccl", comm)):
-        busy = _union([(s, e) for _, _, s, e in sel])
-        total = _length(busy)
-        exposed = total - _overlap(busy, compute)
-        out[key] = {"kernels": len(sel), "ms_per_step": total / 1e3 / steps,
-                    "exposed_ms_per_step": exposed / 1e3 / steps, "exposed_share": exposed / total if total else None}
-    by_name: dict[str, float] = {}
-    for name, _, s, e in comm:
-        short = name.split("(")[0]
-        by_name[short] = by_name.get(short, 0.0) + (e - s) / 1e3 / steps
-    out["comm_ms_per_step_by_kernel"] = by_name
-    if not kernels:
-        out["note"] = "no GPU kernel in the trace (a CPU run): nothing to measure"
-    return out
-
-
-def analyse_trace(trace: Path, steps: int) -> dict[str, Any]:
-    return {"trace": str(trace), **comm_exposure(trace_kernels(trace), max(steps, 1))}
-
-
 # --------------------------------------------------------------------------------------------- distributed
 def agree(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (decisions that must be the same everywhere)."""
@@ -602,129 +522,12 @@ def summarise(out: dict[str, Any], ranks: list[dict[str, Any]], timed_end: int, 
     return out
 
 
-def profile_summary(profiles: list[dict[str, Any]], step_time_s: Optional[float]) -> dict[str, Any]:
-    """Rank means of the all-to-all figures (None where no rank saw an all-to-all kernel); every rank's analysis
-    kept; ``error`` when a rank's trace could not be written or read."""
-    out: dict[str, Any] = {"by_rank": profiles}
-    errors = [f"rank {i}: {p['error']}" for i, p in enumerate(profiles) if p.get("error")]
-    if errors:
-        out["error"] = "; ".join(errors)
-    seen = [p for p in profiles if p.get("a2a", {}).get("kernels")]
-
-    def mean(key: str, field: str) -> Optional[float]:
-        vals = [p[key][field] for p in seen if p[key][field] is not None]
-        return statistics.fmean(vals) if vals else None
-
-    out.update(a2a_ms_per_step=mean("a2a", "ms_per_step"), a2a_exposed_ms_per_step=mean("a2a", "exposed_ms_per_step"),
-               a2a_exposed_share=mean("a2a", "exposed_share"), nccl_exposed_share=mean("nccl", "exposed_share"),
-               a2a_exposed_share_max=max((p["a2a"]["exposed_share"] for p in seen), default=None))
-    exposed = out["a2a_exposed_ms_per_step"]
-    out["a2a_exposed_step_share"] = exposed / (1e3 * step_time_s) if exposed is not None and step_time_s else None
-    if not seen and not errors:
-        out["note"] = "no all-to-all kernel in any rank's trace" + (
-            " (a CPU run has no GPU kernels)" if all(p.get("kernels") == 0 for p in profiles) else "")
-    return out
-
-
 def skipped_run(kind: str, layout: str, routing: str, args: argparse.Namespace, label: str,
                 reason: str) -> dict[str, Any]:
     log(f"\n{reason}")
     return {"model": label, "kind": kind, "layout": layout, "routing": routing, "world": args.world,
             "batch_per_gpu": args.batch_per_gpu, "seq_len": args.seq_len, "precision": args.precision,
             "skipped": reason}
-
-
-# ------------------------------------------------------------------------------------------ table, ratios
-def _fmt(v: Any, spec: str, suffix: str = "") -> str:
-    return "-" if v is None else format(v, spec) + suffix
-
-
-def _same_batch(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("model", "batch_per_gpu", "seq_len", "precision"))
-
-
-def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``vs_one_gpu`` and ``vs_peer`` of every timed run of ours (the last matching reference listed wins), and
-    ``missed`` targets."""
-    timed = [r for r in runs if r.get("tokens_per_s_per_gpu") and not r.get("skipped")]
-    for r in runs:
-        for key in ("vs_one_gpu", "vs_peer", "missed"):
-            r.pop(key, None)
-        if r.get("kind") != "ours" or not any(r is x for x in timed):
-            continue
-        one = [x for x in timed if x["kind"] == "ours" and x["world"] == 1 and x["routing"] == r["routing"]
-               and _same_batch(x, r)]
-        peer = [x for x in timed if x["kind"] == "peer" and x["world"] == r["world"] and _same_batch(x, r)]
-        if one and r["world"] > 1:
-            r["vs_one_gpu"] = r["tokens_per_s_per_gpu"] / one[-1]["tokens_per_s_per_gpu"]
-        if peer:
-            r["vs_peer"] = r["tokens_per_s_per_gpu"] / peer[-1]["tokens_per_s_per_gpu"]
-        r["missed"] = [name for name, applies, key, limit, higher in TARGETS
-                       if applies(r) and r.get(key) is not None and (r[key] < limit if higher else r[key] >= limit)]
-    return runs
-
-
-def _status(r: dict[str, Any]) -> str:
-    if r.get("skipped"):
-        return r["skipped"][:100]
-    if r.get("error"):
-        return "FAIL: " + r["error"][:80]
-    cut = " (time limit: fewer steps)" if r.get("stopped_by_time_limit_after_steps") else ""
-    prof = " (profile FAILED)" if r.get("profile_error") else ""
-    return ("yes" if r.get("ok") else "NO (" + ts._why(r) + ")") + cut + prof
-
-
-TABLE_HEAD = ["model", "GPUs", "layout", "routing", "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak GiB", "vs 1 GPU",
-              f"vs {PEER}", "a2a ms/step", "a2a exposed", "exposed / step", "loss first -> last", "ok", "missed"]
-
-
-def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
-    rows = []
-    for r in sorted(runs, key=lambda r: (r["model"], r["world"], r["kind"] != "ours")):
-        rows.append([
-            r["model"], str(r["world"]), ("none (1 GPU)" if r["world"] == 1 and r["kind"] == "ours" else r["layout"])
-            + (" [transformers]" if r["kind"] == "peer" else "")
-            + (" [shared experts not overlapped]" if r.get("overlap_shared_experts") is False else ""), r["routing"],
-            _fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), _fmt(r.get("tflops_per_gpu"), ".1f"),
-            _fmt(r.get("mfu"), ".1%"), _fmt(r.get("peak_gib"), ".1f"), _fmt(r.get("vs_one_gpu"), ".1%"),
-            _fmt(r.get("vs_peer"), ".2f", "x"), _fmt(r.get("a2a_ms_per_step"), ".1f"),
-            _fmt(r.get("a2a_exposed_share"), ".1%"), _fmt(r.get("a2a_exposed_step_share"), ".1%"),
-            f"{_fmt(r.get('loss_first'), '.3f')} -> {_fmt(r.get('loss_last'), '.3f')}", _status(r),
-            ", ".join(r.get("missed", [])) or ("none" if "missed" in r and r["world"] > 1 else "-"),
-        ])
-    return rows
-
-
-def table(runs: list[dict[str, Any]]) -> str:
-    """The markdown table of ``runs`` (ratios added), with the conventions under it."""
-    add_ratios(runs)
-    rows = table_rows(runs)
-    lines = ["| " + " | ".join(TABLE_HEAD) + " |", "|" + "|".join("---" for _ in TABLE_HEAD) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in row) + " |" for row in rows]
-    lines += ["", "tokens/s/GPU = global tokens per step / slowest rank's step time / GPUs; vs 1 GPU: our one-process "
-              "run, same model, routing and per-GPU batch; vs the peer: same world and batch; a2a: NCCL all-to-all "
-              "kernels (profiled steps, rank mean), exposed = not overlapped by compute kernels, as a share of the "
-              "all-to-all time and of the step time.",
-              "targets: " + "; ".join(name for name, *_ in TARGETS) + " (issue 12 at 2 GPUs, issue 15 at 4-8)."]
-    return "\n".join(lines)
-
-
-def load_runs(paths: list[str]) -> list[dict[str, Any]]:
-    runs = []
-    for path in paths:
-        report = json.loads(Path(path).read_text())
-        for r in report.get("runs", []):
-            runs.append({**r, "file": str(path)})
-    return runs
-
-
-def summary_line(r: dict[str, Any]) -> str:
-    return (f"[{r['model']} | {r['kind']} {r['layout']} | {r['routing']} | {r['world']} GPU] "
-            f"tokens/s/GPU {_fmt(r.get('tokens_per_s_per_gpu'), ',.0f')}  "
-            f"TFLOP/s/GPU {_fmt(r.get('tflops_per_gpu'), '.1f')}  peak {_fmt(r.get('peak_gib'), '.1f')} GiB  "
-            f"a2a exposed {_fmt(r.get('a2a_exposed_share'), '.1%')}  loss {_fmt(r.get('loss_first'), '.3f')} -> "
-            f"{_fmt(r.get('loss_last'), '.3f')}  ok={r.get('ok')}" + (f"  ERROR {r['error']}" if r.get("error") else "")
-            + (f"  PROFILE ERROR {r['profile_error']}" if r.get("profile_error") else ""))
 
 
 # ------------------------------------------------------------------------------------------------------ main

@@ -1,5 +1,9 @@
 """MoELanguageModel: the LightningModule (build pipeline, steps, optimizers, logging).
 
+One piece (about 690 lines): one LightningModule whose hooks (steps, optimizer step, checkpoint hooks, logging)
+share its state; the build pipeline (build.py), the step accumulator (step.py) and the losses (models/lm_loss.py)
+live apart.
+
 The step protocol (DESIGN invariant 13; docs/architecture.md): ``training_step`` calls the model's forward, which
 returns an :class:`~lightning_moe.models.outputs.LMStepOutput` (token-loss sum, valid tokens, each MoE layer's losses
 and routing record); the module's :class:`~lightning_moe.step.StepAccumulator` (``step_accumulator``) sums the

@@ -1,4 +1,7 @@
-"""The command line (``lightning_moe.cli.main``, in-process) and the README / CI contract."""
+"""The command line (``lightning_moe.cli.main``, in-process) and the README / CI contract.
+
+One piece (about 630 lines): its tests drive one entry point (the CLI) with shared fixtures, and the README / CI
+contract checks read the same command lines."""
 
 from __future__ import annotations
 

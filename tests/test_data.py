@@ -1,4 +1,6 @@
-"""Tests of lightning_moe.data: byte tokenizer, packing, split, sampling, file reading, bad input."""
+"""Tests of lightning_moe.data: byte tokenizer, packing, split, sampling, file reading, bad input.
+
+One piece (540 lines): the tests of one package's user contract (lightning_moe.data), sharing its corpus fixtures."""
 
 from __future__ import annotations
 

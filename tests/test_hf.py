@@ -1,5 +1,8 @@
 """Hugging Face import/export: logits of tiny random transformers models match ours, both ways; bad input is a clear
-ValueError; an ep=2 import on 2 gloo ranks reads only each rank's experts."""
+ValueError; an ep=2 import on 2 gloo ranks reads only each rank's experts.
+
+One piece (about 680 lines): every family's import and export uses the same tiny random model builders and logits
+comparison, which the ep=2 import reuses."""
 
 from __future__ import annotations
 

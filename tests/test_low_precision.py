@@ -4,6 +4,9 @@ against a reference written here, a short Trainer fit from a YAML-like config, W
 float8 all-gather (fp8_tensorwise) against the plain all-gather at W=2, and a W=2 distributed checkpoint written with
 the callback against one written without it (same entries and dtypes; loads into a plain one-process model).
 
+One piece (about 560 lines): every recipe goes through the same emulation harness and stand-in kernels defined at
+its top.
+
 MXFP8 / NVFP4 go through ``lightning_moe.lowp.block_formats``; where that module is absent from the tree a stand-in
 (plain FP8 block quantize-dequantize) checks the wiring only, not those formats' numerics.
 """

@@ -2,6 +2,9 @@
 run (per-step losses and final parameters, fp32, rel 1e-5), in one process, at W=2 under ep=2, and across a change of
 layout at equal global batch (ep=2 on 2 ranks <-> one process).
 
+One piece (about 560 lines): the resume matrix shares one data layout, one training recipe and the uninterrupted
+reference runs it compares against.
+
 The data is the embedded corpus packed into 18 samples of 32 tokens, shuffled, 4 samples per optimizer step (one
 epoch = 4 steps, 2 samples left over). The runs take 6 steps and are cut after step 3, so the resumed run continues
 mid-epoch (step 4 is the last of epoch 0) and then crosses into epoch 1 (a new shuffle). AdamW with warmup + cosine

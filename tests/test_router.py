@@ -1,4 +1,7 @@
-"""TopKRouter against routing rules written out per token (loops over small explicit tensors)."""
+"""TopKRouter against routing rules written out per token (loops over small explicit tensors).
+
+One piece (about 600 lines): every routing rule is checked against the per-token reference written out at its top;
+split, that reference would be copied."""
 
 import math
 

@@ -1,6 +1,9 @@
 """LowPrecisionTraining: FP8 (tensorwise / rowwise / blockwise, chosen per GEMM by default), MXFP8 and NVFP4 GEMMs for
 the dense linears and the routed experts.
 
+One piece (about 600 lines): the recipe checks, the per-GEMM choice and the model transform that applies it decide
+together which module gets which conversion; the kernels and the crossover table live in lightning_moe/lowp/.
+
 A model transform (``transform_model``, DESIGN invariant 11): it changes the meta-device model before the strategy
 parallelises it, so it composes with every layout of :class:`~lightning_moe.MoEParallelStrategy`.
 

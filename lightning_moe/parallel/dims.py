@@ -1,5 +1,8 @@
 """ParallelDims: the one owner of parallel sizes and device meshes (DESIGN.md, invariant 2).
 
+One piece (about 550 lines): the three views of one world, their meshes and the checks of every size are one
+invariant (DESIGN 2): each view's groups must agree with the others'.
+
 One world of ``W`` ranks, seen three ways (ranks are laid out row-major in every view, so ``dp_replicate`` is
 the outermost dim of both meshes and its groups are the same in both):
 

@@ -1,5 +1,9 @@
 """MoEParallelStrategy: MoE Parallel Folding on DTensor meshes for the Lightning Trainer.
 
+One piece (about 650 lines): one Lightning strategy whose hooks (setup, the finalize hook, checkpoint save and load,
+teardown) share its meshes and state; parallelisation, finalisation and the checkpoint format live in parallel/ and
+checkpoint/.
+
 A Lightning ``ParallelStrategy`` whose meshes are owned by :class:`~lightning_moe.parallel.ParallelDims`: one
 world, a dense view (dp_replicate x dp_shard x cp x tp), an expert view (dp_replicate x edp_shard x ep x etp) and a
 batch view (dp_replicate x dp_shard). Besides Lightning's strategy duties (processes, devices, collectives,
