@@ -347,8 +347,8 @@ def run_case(case: str, kernels: list[str], args: argparse.Namespace, device: to
             row["step_time_mean_s"] = sum(timed) / len(timed)
             row["step_time_min_s"] = min(timed)
             row["step_time_median_s"] = statistics.median(timed)
-            # the median: a kernel's one-time costs (a flex compile, a cuDNN plan for a new shape) land on whichever
-            # timed step first meets a batch that needs them; the mean, with them, is reported beside it
+            # the median: a kernel's one-time costs (a flex compile, the first run of a new row-run shape) land on
+            # whichever timed step first meets a batch that needs them; the mean, with them, is reported beside it
             row["tokens_per_s"] = batch * seq_len / row["step_time_median_s"]
             row["tokens_per_s_mean"] = batch * seq_len / row["step_time_mean_s"]
         elif "error" not in res:
@@ -423,8 +423,9 @@ def table(report: dict[str, Any]) -> str:
         status += f" ({r['timed_steps']} timed steps)"
         if r.get("stopped_by_time_limit_after_steps") is not None:
             status += f" (time limit: stopped after {r['stopped_by_time_limit_after_steps']} steps)"
+        peak_text = f"{peak if peak is not None else float('nan'):>8.1f}"
         lines.append(f"{r['case']:<12} {r['kernel']:<8} {tps or 0:>10.0f} {1e3 * (step or 0):>8.1f} "
-                     f"{1e3 * (mean or 0):>8.1f} {first or 0:>6.1f} {peak if peak is not None else float('nan'):>8.1f}  {status}")
+                     f"{1e3 * (mean or 0):>8.1f} {first or 0:>6.1f} {peak_text}  {status}")
     lines += ["", "document mask / causal tokens/s (one run per case, kernels rotated step by step over the same "
                   "batches):"]
     for q in report["ratios"]:
@@ -439,8 +440,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
-    p.add_argument("--impls", default="varlen,flex",
-                   help="document-masked kernels (attn_impl), in priority order")
+    p.add_argument("--impls", default="varlen,flex", help="document-masked kernels (attn_impl), in priority order")
     p.add_argument("--steps", type=int, default=10, help="timed steps of each kernel")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each kernel first (flex compiles)")
     p.add_argument("--lr", type=float, default=3e-4)

@@ -146,8 +146,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import deepseek_v3_step as ds, train_step as ts  # noqa: E402
-# comm_exposure and trace_kernels: this suite's API as the tests use it
-from bench.core.comm_trace import analyse_trace, comm_exposure, profile_summary, trace_kernels  # noqa: E402,F401
+from bench.core.comm_trace import analyse_trace, profile_summary  # noqa: E402
 from bench.core.schema import save as save_result  # noqa: E402
 from bench.scale_table import PEER, load_runs, summary_line, table  # noqa: E402
 from bench.parallel_check import layout_dims, parse_layout  # noqa: E402

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 import _lane as lane
+from bench.core import comm_trace
 from _bench import has_transformers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,7 +171,7 @@ def test_exposure_arithmetic_on_a_synthetic_trace(sc, tmp_path, capsys):
         ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 21, 190, 70),
         ("void at::native::copy_kernel", 20, 250, 40),
     ])
-    a = sc.analyse_trace(trace, 2)
+    a = comm_trace.analyse_trace(trace, 2)
     assert a["kernels"] == 6 and a["comm_kernels"] == 3 and a["comm_streams"] == ["20", "21"]
     assert a["compute_ms_per_step"] == pytest.approx(190 / 1e3 / 2)
     assert a["a2a"]["kernels"] == 2 and a["a2a"]["ms_per_step"] == pytest.approx(140 / 1e3 / 2)
@@ -181,14 +182,14 @@ def test_exposure_arithmetic_on_a_synthetic_trace(sc, tmp_path, capsys):
     assert a["nccl"]["exposed_share"] == pytest.approx(140 / 210)
     assert set(a["comm_ms_per_step_by_kernel"]) == {"ncclDevKernel_SendRecv", "ncclDevKernel_AllGather_RING_LL"}
     # the rank summary: means over ranks, the share of the (unprofiled) step time
-    other = sc.comm_exposure(sc.trace_kernels(_trace(tmp_path / "u.json", [
+    other = comm_trace.comm_exposure(comm_trace.trace_kernels(_trace(tmp_path / "u.json", [
         ("gemm", 1, 0, 100), ("ncclDevKernel_SendRecv", 2, 50, 100)])), 2)  # 50 of 100 exposed
-    s = sc.profile_summary([a, other], step_time_s=0.5)
+    s = comm_trace.profile_summary([a, other], step_time_s=0.5)
     assert s["a2a_exposed_share"] == pytest.approx((90 / 140 + 0.5) / 2)
     assert s["a2a_exposed_share_max"] == pytest.approx(90 / 140)
     # rank mean of the exposed ms per step (45 and 25 us) over the 500 ms step
     assert s["a2a_exposed_step_share"] == pytest.approx((45 + 25) / 2 / 1e3 / 500)
-    assert sc.profile_summary([{"error": "boom"}], 0.5)["error"] == "rank 0: boom"
+    assert comm_trace.profile_summary([{"error": "boom"}], 0.5)["error"] == "rank 0: boom"
     # the command line prints the same analysis
     assert sc.main(["--analyse-trace", str(trace), "--profile-steps", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["a2a"] == a["a2a"]

@@ -15,6 +15,7 @@ from typing import Any, Optional
 NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
 A2A_KERNEL = re.compile(r"sendrecv|alltoall|all_to_all", re.IGNORECASE)
 
+
 def trace_kernels(trace: Path) -> list[tuple[str, str, float, float]]:
     """(name, stream, start_us, end_us) of every GPU kernel of a Chrome trace (torch.profiler's export)."""
     data = json.loads(Path(trace).read_text())
