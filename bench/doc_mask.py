@@ -6,9 +6,9 @@ records; split, a run's order and its budget would sit in different files.
 
 The same packed batches twice: the embedded corpus (Python's standard library, one document per file) under the
 byte tokenizer, packed into windows by ``TextDataModule``; once plain (full causal attention over the window: SDPA
-``is_causal``, flash) and once with ``document_mask=True`` (``position_ids`` restarting per document: attention
-block-causal per document, through ``attn_impl`` = varlen or flex). Tokens per step are equal, so the ratio of
-tokens/s is the ratio of step times. One training run per case (``bench/train_step.py``'s ``run_ours``: Lightning
+``is_causal``, cuDNN on Hopper) and once with ``document_mask=True`` (``position_ids`` restarting per document:
+attention block-causal per document, through ``attn_impl`` = auto, split, varlen or flex). Tokens per step are equal,
+so the ratio of tokens/s is the ratio of step times. One training run per case (``bench/train_step.py``'s ``run_ours``: Lightning
 Trainer, bf16-true, fused AdamW, eager) rotates the kernels step by step, each batch once per kernel, so every kernel
 times the same windows on the same model and GPU state ("causal" drops the batch's ``position_ids``). ``--warmup``
 untimed steps per kernel first (flex compiles in its first), then ``--steps`` timed ones.
@@ -33,6 +33,7 @@ forward + backward and the CUDA runtime's synchronize / blocking memcpy calls of
 
 Run (repository root):
     python -m bench doc_mask --time-limit 330 --profile --out bench/results/doc_mask_h200.json  # one H200: <= 5.5 min
+    python -m bench doc_mask --impls split,varlen,flex --steps 20 --time-limit 420  # the kernels side by side
     python -m bench doc_mask --device cpu --small --impls sdpa --steps 2 --warmup 0 --out /tmp/dm.json  # CPU smoke
 """
 
@@ -137,7 +138,7 @@ def check_kernels(impls: list[str], device: torch.device, small: bool) -> list[d
         for impl in impls:
             row: dict[str, Any] = {"check": f"{attention} {impl} vs sdpa", "dtype": str(dtype).replace("torch.", "")}
             try:
-                if device.type != "cuda":
+                if device.type != "cuda" and impl not in ("split", "sdpa"):
                     raise RuntimeError("flex / varlen training needs CUDA (no CPU backward / kernel)")
                 loss, grad = run(impl)
                 row["loss_rel_err"] = float((loss - ref_loss).abs() / ref_loss.abs())
@@ -440,7 +441,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
-    p.add_argument("--impls", default="varlen,flex", help="document-masked kernels (attn_impl), in priority order")
+    p.add_argument("--impls", default="auto,varlen,flex",
+                   help="document-masked kernels (attn_impl), in priority order")
     p.add_argument("--steps", type=int, default=10, help="timed steps of each kernel")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each kernel first (flex compiles)")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -458,7 +460,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.precision = "bf16-true" if args.device == "cuda" else "32-true"
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    kernels = ("varlen", "flex", "sdpa")
+    kernels = ("split", "auto", "varlen", "flex", "sdpa")
     unknown = [c for c in args.cases if c not in TARGETS] + [i for i in args.impls if i not in kernels]
     if unknown:
         raise ValueError(f"unknown cases or kernels {unknown}; cases: {list(TARGETS)}, kernels: {', '.join(kernels)}")

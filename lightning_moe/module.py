@@ -113,8 +113,8 @@ class MoELanguageModel(L.LightningModule):
             ``"auto"`` (chunked on CUDA: no [tokens, vocab] logits held, the gradients taken in the forward),
             ``"torch"`` (the reference), ``"chunked"``, ``"liger"`` (liger-kernel, the ``lm`` extra).
         attn_impl: the attention kernel of packed batches (``position_ids``), replacing ``config.attn_impl``
-            (:mod:`lightning_moe.models.document_mask`): ``"auto"``, ``"sdpa"``, ``"flex"``, ``"varlen"``; None
-            keeps the config's (also with ``pretrained``).
+            (:mod:`lightning_moe.models.document_mask`): ``"auto"``, ``"sdpa"``, ``"flex"``, ``"varlen"``,
+            ``"split"``; None keeps the config's (also with ``pretrained``).
 
     Batches: ``input_ids`` [B, S]; optional ``labels`` [B, S] *pre-shifted* (``labels[t]`` is the token after
     ``input_ids[t]``, -100 = ignore; absent: the inputs shifted), ``attention_mask`` and ``position_ids`` [B, S]

@@ -121,6 +121,7 @@ def test_attn_impl_choice_and_errors():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attn_impl("auto", cpu, True) == "sdpa"
     assert resolve_attn_impl("auto", cuda, True) == "varlen" and resolve_attn_impl("auto", cuda, False) == "flex"
+    assert resolve_attn_impl("split", cpu, False) == "split"  # the causal kernel per document: any device
     with pytest.raises(ValueError, match="CUDA only"):
         resolve_attn_impl("varlen", cpu, True)
     with pytest.raises(ValueError, match="attn_impl must be one of"):
@@ -133,7 +134,7 @@ def test_attn_impl_choice_and_errors():
 # ---- one process: packed logits equal each document alone ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+@pytest.mark.parametrize("impl", ["sdpa", "flex", "split"])
 @pytest.mark.parametrize("attention", list(ATTENTIONS))
 def test_packed_logits_equal_each_document_alone(attention, impl):
     cfg = _config(attention, attn_impl=impl)
@@ -158,11 +159,12 @@ def _packed_loss_and_grads(model, ids, mask, pos, labels):
                            for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "split"])
 @pytest.mark.parametrize("attention", ["gqa_qk_norm", "mla"])
-def test_packed_loss_and_gradients_equal_the_documents_alone(attention):
+def test_packed_loss_and_gradients_equal_the_documents_alone(attention, impl):
     """The packed loss sum and its gradients equal the sum over documents run alone: labels of documents' last
     tokens are dropped (shift_labels with position_ids), so nothing predicts the next document's first token."""
-    cfg = _config(attention, attn_impl="sdpa")
+    cfg = _config(attention, attn_impl=impl)
     model = _model(cfg)
     ids, mask, pos, docs = _packed_batch(cfg.vocab_size, seed=1)
     labels = shift_labels(ids, mask, pos)
@@ -178,11 +180,14 @@ def test_packed_loss_and_gradients_equal_the_documents_alone(attention):
             _assert_rel(grads[n], p.grad, rtol=1e-4, what=f"grad {n}")
 
 
-def test_recomputation_options_keep_packed_gradients():
+@pytest.mark.parametrize("impl", ["sdpa", "split"])
+def test_recomputation_options_keep_packed_gradients(impl):
+    """Recomputation leaves the packed loss and gradients as they are; "split" holds its windows' graphs outside
+    the checkpoints' saved-tensor hooks (a nested backward per window would re-run a region once each)."""
     from lightning_moe.parallel.parallelize import apply_ac
     from lightning_moe.parallel.recompute import apply_recompute
 
-    cfg = _config("mla", attn_impl="sdpa")
+    cfg = _config("mla", attn_impl=impl)
     ids, mask, pos, _ = _packed_batch(cfg.vocab_size, seed=2)
     labels = shift_labels(ids, mask, pos)
     base_loss, base = _packed_loss_and_grads(_model(cfg), ids, mask, pos, labels)
@@ -274,8 +279,8 @@ def _layout_logits_worker(rank: int, world_size: int) -> str:
     failures = []
     for sizes in (dict(tp=2), dict(ep=2), dict(tp=2, ep=2)):
         dims = ParallelDims(world_size=world_size, dp_shard=1 if "tp" in sizes else -1, **sizes).build_meshes("cpu")
-        for attention in ("gqa_qk_norm", "mla"):
-            cfg = _config(attention)
+        for attention, impl in (("gqa_qk_norm", "auto"), ("mla", "auto"), ("gqa_qk_norm", "split"), ("mla", "split")):
+            cfg = _config(attention, attn_impl=impl)
             weights = reference_state_dict(cfg)
 
             def load(model):
@@ -292,7 +297,7 @@ def _layout_logits_worker(rank: int, world_size: int) -> str:
                     got = packed[b, start:start + len(doc)]
                     err = float((got - alone).norm() / alone.norm())
                     if err > 1e-5:
-                        failures.append(f"{sizes} {attention} document {b},{start}: rel err {err:.2e}")
+                        failures.append(f"{sizes} {attention} {impl} document {b},{start}: rel err {err:.2e}")
     assert not failures, "\n".join(failures)
     return "ok"
 

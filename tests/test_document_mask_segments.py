@@ -156,7 +156,7 @@ def test_forward_with_segments_reads_nothing_back_and_builds_one_mask(cpu_varlen
     init = DocumentMask.__init__
 
     def counting_init(self, *args, **kwargs):
-        built.append(args[-1] if len(args) == 4 else kwargs.get("segments"))
+        built.append(args[3] if len(args) >= 4 else kwargs.get("segments"))
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(DocumentMask, "__init__", counting_init)
@@ -226,9 +226,9 @@ def test_datamodule_batches_reach_the_model_with_their_segments(monkeypatch):
     seen = []
     init = DocumentMask.__init__
 
-    def recording_init(self, doc_BS, positions_S, impl, segments=None):
+    def recording_init(self, doc_BS, positions_S, impl, segments=None, lengths=None):
         seen.append(segments)
-        init(self, doc_BS, positions_S, impl, segments)
+        init(self, doc_BS, positions_S, impl, segments, lengths)
 
     monkeypatch.setattr(DocumentMask, "__init__", recording_init)
     cfg = small_config({"max_seq_len": 64})

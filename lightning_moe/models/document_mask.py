@@ -23,7 +23,14 @@ attention:
   forward only (torch has no CPU backward for it).
 * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``), CUDA only; one
   head dim for q, k and v.
-* ``"auto"``: on CUDA ``"varlen"`` when q, k and v share one head dim, else ``"flex"``; ``"sdpa"`` elsewhere.
+* ``"split"``: the plain causal kernel (SDPA ``is_causal``: cuDNN's fused attention on Hopper, what unpacked
+  training runs) once per document, on a window rounded up to a bucket length (:mod:`.document_windows`); any
+  device, any head dims.
+* ``"auto"``: ``"sdpa"`` off CUDA. On CUDA decided per batch from its segment lengths: ``"split"`` for few, long
+  documents (:func:`~.document_windows.prefer_windows`: at most 64, of 1024 tokens or more on average), else
+  ``"varlen"`` when q, k and v share one head dim, ``"flex"`` when not. Measured on one H200
+  (``bench/RESULTS.md``, issue 22): every document-masked kernel torch 2.11 has is 1.3-1.6x slower than cuDNN's
+  causal one, so long documents are fastest through it.
 
 The kernel's inputs (the dense mask, the block mask, or ``cu_seqlens``) are built once per forward in
 :class:`DocumentMask` and shared by every layer.
@@ -33,8 +40,9 @@ device's ``position_ids`` that costs syncs (``nonzero``) once per forward; the d
 CPU (:func:`document_segments`, the batch's ``document_segments`` entry, moved to the device with the batch), and then
 a forward syncs nowhere. With it the fast kernels also skip the mask where it is not needed: rows holding one
 document run the plain causal kernel (exact: causal attention over one document is its block-causal attention), the
-whole batch when every row does ("flex", "varlen"), row by row otherwise ("varlen": single-document rows through
-``is_causal`` SDPA, the others through ``varlen_attn``). "sdpa", the reference, always applies its explicit mask.
+whole batch when every row does ("flex", "varlen", "split"), row by row otherwise ("varlen": single-document rows
+through ``is_causal`` SDPA, the others through ``varlen_attn``). "sdpa", the reference, always applies its explicit
+mask.
 
 Legend: B batch, S (local) sequence, L keys (the gathered sequence under context parallelism), H heads, K head dim
 of q/k, V head dim of v, T = B * S flattened tokens, N segments.
@@ -50,13 +58,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe.config import ATTN_IMPLS  # the names live with the config, which imports no model code
+from lightning_moe.models.document_windows import WindowPlan, prefer_windows, warm_window_plans, windowed_causal
 from lightning_moe.models.heads import expand_kv
 
-__all__ = ["ATTN_IMPLS", "DocumentMask", "DocumentSegments", "document_ids", "document_segments", "resolve_attn_impl"]
+__all__ = ["ATTN_IMPLS", "DocumentMask", "DocumentSegments", "document_ids", "document_segments", "resolve_attn_impl",
+           "segment_lengths"]
 
 
 def resolve_attn_impl(impl: str, device: torch.device, same_head_dims: bool) -> str:
-    """The kernel ``impl`` means on ``device`` (a ValueError for one that cannot run there)."""
+    """The kernel ``impl`` means on ``device`` (a ValueError for one that cannot run there); for "auto" on CUDA the
+    kernel of batches of many short documents (:meth:`DocumentMask.build` takes "split" for long ones)."""
     if impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {impl!r}")
     if impl == "auto":
@@ -137,11 +148,14 @@ class DocumentSegments(NamedTuple):
 
     ``cu_seqlens``: int32 [N + 1], the segment boundaries of the flattened [B * S] tokens (a segment is a run of one
     document inside a row; every padding token is a segment of its own); ``max_seqlen``: the longest segment;
-    ``row_segments``: the number of segments of each row (1: the row is one document, no padding)."""
+    ``row_segments``: the number of segments of each row (1: the row is one document, no padding);
+    ``lengths``: every segment's length, in order (what "split" plans its windows with; empty: read from
+    ``cu_seqlens``, a host sync)."""
 
     cu_seqlens: Tensor
     max_seqlen: int
     row_segments: tuple[int, ...]
+    lengths: tuple[int, ...] = ()
 
 
 def document_segments(position_ids_BS: Tensor, attention_mask_BS: Optional[Tensor] = None) -> DocumentSegments:
@@ -152,7 +166,17 @@ def document_segments(position_ids_BS: Tensor, attention_mask_BS: Optional[Tenso
     doc_BS = document_ids(torch.arange(S, device=position_ids_BS.device), position_ids_BS, valid)
     start_BS = _segment_starts(doc_BS).view(B, S)
     cu, longest = varlen_segments(doc_BS)
-    return DocumentSegments(cu, longest, tuple(int(n) for n in start_BS.sum(1).tolist()))
+    return DocumentSegments(cu, longest, tuple(int(n) for n in start_BS.sum(1).tolist()),
+                            tuple(int(n) for n in (cu[1:] - cu[:-1]).tolist()))
+
+
+def segment_lengths(doc_BS: Tensor, segments: Optional[DocumentSegments] = None) -> list[int]:
+    """The length of every segment of the flattened [B * S] tokens, in order, on the host: from the collate's
+    ``segments`` when they carry them, else read back from the device (a sync)."""
+    if segments is not None and segments.lengths:
+        return list(segments.lengths)
+    cu = segments.cu_seqlens if segments is not None else varlen_segments(doc_BS)[0]
+    return (cu[1:] - cu[:-1]).tolist()
 
 
 def check_document_segments(segments: DocumentSegments, position_ids_BS: Tensor,
@@ -162,7 +186,8 @@ def check_document_segments(segments: DocumentSegments, position_ids_BS: Tensor,
     want = document_segments(position_ids_BS.cpu(), None if attention_mask_BS is None else attention_mask_BS.cpu())
     got_cu = segments.cu_seqlens.detach().cpu() if isinstance(segments.cu_seqlens, Tensor) else None
     if (got_cu is None or got_cu.tolist() != want.cu_seqlens.tolist() or int(segments.max_seqlen) != want.max_seqlen
-            or tuple(segments.row_segments) != want.row_segments):
+            or tuple(segments.row_segments) != want.row_segments
+            or (segments.lengths and tuple(segments.lengths) != want.lengths)):
         raise ValueError("batch['document_segments'] do not match the batch's position_ids / attention_mask: build "
                          "them with lightning_moe.models.document_mask.document_segments(position_ids, "
                          "attention_mask) in the collate (or leave them out)")
@@ -181,15 +206,17 @@ class DocumentMask:
     kernel's ``impl``."""
 
     def __init__(self, doc_BS: Tensor, positions_S: Tensor, impl: str,
-                 segments: Optional[DocumentSegments] = None) -> None:
-        if impl not in ("sdpa", "flex", "varlen"):
-            raise ValueError(f"DocumentMask needs a resolved attn_impl ('sdpa', 'flex' or 'varlen'), got {impl!r}")
+                 segments: Optional[DocumentSegments] = None, lengths: Optional[list[int]] = None) -> None:
+        if impl not in ("sdpa", "flex", "varlen", "split"):
+            raise ValueError(f"DocumentMask needs a resolved attn_impl ('sdpa', 'flex', 'varlen' or 'split'), got "
+                             f"{impl!r}")
         self.doc_BS, self.positions_S, self.impl = doc_BS, positions_S, impl
         B, S = doc_BS.shape
         self.dense_B1SL: Optional[Tensor] = None
         self.block_mask = None
         self.cu_seqlens: Optional[Tensor] = None
         self.max_len = 0
+        self.window_plan: Optional[WindowPlan] = None
         self.row_runs: list[tuple[int, int, str]] = [(0, B, impl)]
         self._run_cu: dict[int, Tensor] = {}
         if segments is not None and impl != "sdpa":
@@ -199,10 +226,16 @@ class DocumentMask:
                 self.row_runs = [(0, B, "causal")]
             elif impl == "varlen":
                 self.row_runs = _runs(single, impl)
+        if impl == "split" and self.row_runs != [(0, B, "causal")]:
+            lengths = segment_lengths(doc_BS, segments) if lengths is None else lengths
+            if all(n == S for n in lengths):  # no host structure given, yet every row is one document
+                self.row_runs = [(0, B, "causal")]
+            else:
+                self.window_plan = WindowPlan.from_lengths(lengths, S)
         if impl == "sdpa":
             self.dense_B1SL = dense_document_mask(doc_BS, positions_S, doc_BS, positions_S)
-        elif self.row_runs == [(0, B, "causal")]:
-            pass  # every row is one document: the plain causal kernel, no mask to build
+        elif self.row_runs == [(0, B, "causal")] or impl == "split":
+            pass  # every row is one document (the plain causal kernel), or the windows: no mask to build
         elif impl == "flex":
             _, create_block_mask = _flex_functions(doc_BS.device)
 
@@ -224,16 +257,24 @@ class DocumentMask:
 
     @classmethod
     def build(cls, doc_BS: Tensor, positions_S: Tensor, attn_impl: str, same_head_dims: bool,
-              segments: Optional[DocumentSegments] = None) -> "DocumentMask":
-        """The model's per-forward builder on one process: ``attn_impl`` resolved for the device, then built."""
-        return cls(doc_BS, positions_S, resolve_attn_impl(attn_impl, doc_BS.device, same_head_dims), segments)
+              segments: Optional[DocumentSegments] = None, windows: bool = True) -> "DocumentMask":
+        """The model's per-forward builder on one process: ``attn_impl`` resolved for the device ("auto" on CUDA: for
+        this batch's segment lengths; ``windows`` False: never "split", for a model that recomputes or offloads
+        activations, see :mod:`.document_windows`), then built."""
+        impl = resolve_attn_impl(attn_impl, doc_BS.device, same_head_dims)
+        lengths = None
+        if attn_impl == "auto" and impl != "sdpa" and windows:
+            lengths = segment_lengths(doc_BS, segments)
+            if prefer_windows(lengths):
+                impl = "split"
+        return cls(doc_BS, positions_S, impl, segments, lengths)
 
     @classmethod
     def gathered(cls, doc_BS: Tensor, positions_S: Tensor, k_doc_BL: Tensor, k_pos_L: Tensor) -> "DocumentMask":
         """The SDPA mask of local queries against keys gathered from elsewhere (context parallelism)."""
         self = cls.__new__(cls)
         self.doc_BS, self.positions_S, self.impl = doc_BS, positions_S, "sdpa"
-        self.block_mask, self.cu_seqlens, self.max_len = None, None, 0
+        self.block_mask, self.cu_seqlens, self.max_len, self.window_plan = None, None, 0, None
         self.row_runs, self._run_cu = [(0, doc_BS.shape[0], "sdpa")], {}
         self.dense_B1SL = dense_document_mask(doc_BS, positions_S, k_doc_BL, k_pos_L)
         return self
@@ -260,6 +301,8 @@ class DocumentMask:
     def _attend_rows(self, kind: str, r0: int, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
                      k_shared_B1SP: Optional[Tensor]) -> Tensor:
         H = q_BHSK.shape[1]
+        if kind == "split":
+            return self._split(q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP)
         if kind == "varlen":
             return self._varlen(q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP, self._run_cu.get(r0, self.cu_seqlens))
         if kind == "flex":
@@ -272,6 +315,25 @@ class DocumentMask:
         if kind == "causal":  # the kernel of unpacked batches (CoreAttention's)
             return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, attn_mask=self.dense_B1SL, scale=scale)
+
+    def _split(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
+               k_shared_B1SP: Optional[Tensor]) -> Tensor:
+        assert self.window_plan is not None
+        B, H, S, _ = q_BHSK.shape
+        G, T = k_BGSK.shape[1], B * S
+        # [B, S, heads, K] tensors viewed as [B, heads, S, K]: flattening them is free; kv heads repeated (as the
+        # causal path's expand_kv does) in this token-major layout, so that windows are views of it
+        q_THK = q_BHSK.transpose(1, 2).reshape(T, H, -1)
+        k_THK, v_THV = k_BGSK.transpose(1, 2).reshape(T, G, -1), v_BGSV.transpose(1, 2).reshape(T, G, -1)
+        if G != H:
+            k_THK, v_THV = k_THK.repeat_interleave(H // G, dim=1), v_THV.repeat_interleave(H // G, dim=1)
+        if k_shared_B1SP is not None:
+            k_TP = k_shared_B1SP.transpose(1, 2).reshape(T, 1, -1)
+            k_THK = torch.cat([k_THK, k_TP.expand(-1, H, -1)], dim=-1)
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q_THK, k_THK, v_THV))
+        warm_window_plans(S, H, k_THK.shape[2], v_THV.shape[2], q_THK.dtype, q_THK.device, scale, backward)
+        o_THV = windowed_causal(q_THK, k_THK, v_THV, self.window_plan, scale)
+        return o_THV.view(B, S, H, -1).transpose(1, 2)
 
     def _varlen(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
                 k_shared_B1SP: Optional[Tensor], cu_seqlens: Tensor) -> Tensor:

@@ -601,13 +601,23 @@ class MoETransformer(nn.Module):
                                  f"positions_S be [S]), got {tuple(position_ids_BS.shape)}")
             doc_BS = document_ids(positions_S, position_ids_BS, padding_mask)
             attn_mask = self.build_document_mask(doc_BS, positions_S, self.config.attn_impl, self.config.same_head_dims,
-                                                 document_segments)
+                                                 document_segments, windows=not self._plans_activations())
             rope_positions = position_ids_BS
         h = self.tok_embeddings(input_ids_BS)
         for block in self.layers.values():
             # the attention masks padding keys (core attention builds the causal mask), the MoE routes no padding
             h = block(h, rope_positions, attn_mask, padding_mask, recorder=recorder)
         return self.norm(h)
+
+    def _plans_activations(self) -> bool:
+        """Whether any module recomputes or offloads what its forward saves (an activation plan other than the
+        default): the "split" attention kernel would bypass it (models/document_windows.py)."""
+        for m in self.modules():
+            for owner in (m, getattr(m, "core_attention", None)):
+                plan = getattr(owner, "activation_plan", None)
+                if plan is not None and (plan.recompute.seams or plan.offload.scope is not None):
+                    return True
+        return False
 
     def _hidden_states_cached(self, input_ids_BS: Tensor, attention_mask_BS: Optional[Tensor],
                               positions_S: Optional[Tensor], cache: KVCache) -> Tensor:

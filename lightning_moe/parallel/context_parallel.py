@@ -175,11 +175,11 @@ class AllGatherKVAttention:
         return meta_L1B[:, 0], meta_L1B[:, 1:].T
 
     def document_mask(self, doc_BS: Tensor, positions_S: Tensor, attn_impl: str, same_head_dims: bool,
-                      segments: Optional[DocumentSegments] = None) -> DocumentMask:
+                      segments: Optional[DocumentSegments] = None, windows: bool = True) -> DocumentMask:
         """Packed sequences: the model's per-forward mask builder under cp (``MoETransformer.build_document_mask``).
         Document ids and positions of every rank's tokens are gathered once per forward (not per layer), and the
         block-causal mask of the local queries against all keys is built once; the gathered attention runs SDPA
-        with it. ``segments`` (the full rows' structure) are not needed: the gathered ids say it all."""
+        with it. ``segments`` (the full rows' structure) and ``windows`` are not needed: the gathered ids say it all."""
         if attn_impl not in ("auto", "sdpa") and self.cp_size > 1:
             raise ValueError(
                 f"context parallelism runs packed (document-masked) attention as SDPA with an explicit mask over the "
