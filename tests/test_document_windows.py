@@ -139,5 +139,5 @@ def test_a_model_that_recomputes_or_offloads_says_so():
 def test_warming_is_cuda_only_and_once(monkeypatch):
     ran = []
     monkeypatch.setattr(dw, "_sdpa_window", lambda *a: ran.append(a) or pytest.fail("ran on the CPU"))
-    dw.warm_window_plans(512, 4, 16, 16, torch.float32, torch.device("cpu"), None, True)
+    dw.warm_window_plans(512, 4, 2, 16, 16, torch.float32, torch.device("cpu"), None, True)
     assert not ran

@@ -286,6 +286,12 @@ class DocumentMask:
                k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
         """o [B, H, S, V] on one process: k/v may hold fewer heads (GQA) and a key part shared by every head
         (MLA's RoPE key), as at :class:`~lightning_moe.models.transformer.CoreAttention`."""
+        if self.impl == "split" and self.window_plan is None and q_BHSK.is_cuda:  # the causal shortcut: warm anyway
+            k_dim = k_BGSK.shape[-1] + (0 if k_shared_B1SP is None else k_shared_B1SP.shape[-1])
+            G = k_BGSK.shape[1] if k_shared_B1SP is None else q_BHSK.shape[1]
+            backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHSK, k_BGSK, v_BGSV))
+            warm_window_plans(self.doc_BS.shape[1], q_BHSK.shape[1], G, k_dim, v_BGSV.shape[-1], q_BHSK.dtype,
+                              q_BHSK.device, scale, backward)
         if len(self.row_runs) == 1:
             return self._attend_rows(self.row_runs[0][2], 0, q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP)
         # rows of one document through the causal kernel, the others through the kernel; the pieces are [b, S, H, V]
@@ -321,19 +327,25 @@ class DocumentMask:
         assert self.window_plan is not None
         B, H, S, _ = q_BHSK.shape
         G, T = k_BGSK.shape[1], B * S
-        # [B, S, heads, K] tensors viewed as [B, heads, S, K]: flattening them is free; kv heads repeated (as the
-        # causal path's expand_kv does) in this token-major layout, so that windows are views of it
+        # [B, S, heads, K] tensors viewed as [B, heads, S, K]: flattening them is free, and windows are views of it;
+        # GQA's kv heads stay G (the kernel groups them); MLA's shared key part goes to every head
         q_THK = q_BHSK.transpose(1, 2).reshape(T, H, -1)
-        k_THK, v_THV = k_BGSK.transpose(1, 2).reshape(T, G, -1), v_BGSV.transpose(1, 2).reshape(T, G, -1)
-        if G != H:
-            k_THK, v_THV = k_THK.repeat_interleave(H // G, dim=1), v_THV.repeat_interleave(H // G, dim=1)
+        k_TGK, v_TGV = k_BGSK.transpose(1, 2).reshape(T, G, -1), v_BGSV.transpose(1, 2).reshape(T, G, -1)
         if k_shared_B1SP is not None:
+            if G != H:
+                k_TGK, v_TGV = k_TGK.repeat_interleave(H // G, dim=1), v_TGV.repeat_interleave(H // G, dim=1)
             k_TP = k_shared_B1SP.transpose(1, 2).reshape(T, 1, -1)
-            k_THK = torch.cat([k_THK, k_TP.expand(-1, H, -1)], dim=-1)
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q_THK, k_THK, v_THV))
-        warm_window_plans(S, H, k_THK.shape[2], v_THV.shape[2], q_THK.dtype, q_THK.device, scale, backward)
-        o_THV = windowed_causal(q_THK, k_THK, v_THV, self.window_plan, scale)
+            k_TGK = torch.cat([k_TGK, k_TP.expand(-1, k_TGK.shape[1], -1)], dim=-1)
+        self._warm_windows(q_THK, k_TGK, v_TGV, scale)
+        o_THV = windowed_causal(q_THK, k_TGK, v_TGV, self.window_plan, scale)
         return o_THV.view(B, S, H, -1).transpose(1, 2)
+
+    def _warm_windows(self, q_THK: Tensor, k_TGK: Tensor, v_TGV: Tensor, scale: Optional[float]) -> None:
+        """The windows' kernel plans for this batch shape, built on the first "split" forward of it (also one whose
+        rows are all single documents), so that no later step pays for one."""
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q_THK, k_TGK, v_TGV))
+        warm_window_plans(self.doc_BS.shape[1], q_THK.shape[-2], k_TGK.shape[-2], k_TGK.shape[-1], v_TGV.shape[-1],
+                          q_THK.dtype, q_THK.device, scale, backward)
 
     def _varlen(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
                 k_shared_B1SP: Optional[Tensor], cu_seqlens: Tensor) -> Tensor:

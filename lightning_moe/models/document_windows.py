@@ -107,10 +107,17 @@ def _window(x_THD: Tensor, start: int, w: int) -> Tensor:
     return F.pad(x_THD[start:], (0, 0, 0, 0, 0, start + w - T))
 
 
-def _sdpa_window(q_WHK: Tensor, k_WHK: Tensor, v_WHV: Tensor, scale: Optional[float]) -> Tensor:
-    """Causal attention of one window: o [1, H, W, V], in the [1, W, H, *] layout unpacked training hands over."""
-    return F.scaled_dot_product_attention(q_WHK.unsqueeze(0).transpose(1, 2), k_WHK.unsqueeze(0).transpose(1, 2),
-                                          v_WHV.unsqueeze(0).transpose(1, 2), is_causal=True, scale=scale)
+def _sdpa_window(q_WHK: Tensor, k_WGK: Tensor, v_WGV: Tensor, scale: Optional[float]) -> Tensor:
+    """Causal attention of one window: o [1, H, W, V], in the [1, W, H, *] layout unpacked training hands over; k/v
+    with fewer heads (GQA) through the kernel's own grouping (no repeated copies)."""
+    return F.scaled_dot_product_attention(q_WHK.unsqueeze(0).transpose(1, 2), k_WGK.unsqueeze(0).transpose(1, 2),
+                                          v_WGV.unsqueeze(0).transpose(1, 2), is_causal=True, scale=scale,
+                                          enable_gqa=k_WGK.shape[1] != q_WHK.shape[1])
+
+
+def _heads(v_NGV: Tensor, heads: int) -> Tensor:
+    """The kv heads' rows for every query head (GQA: head h reads kv head h // (heads / G))."""
+    return v_NGV if v_NGV.shape[1] == heads else v_NGV.repeat_interleave(heads // v_NGV.shape[1], dim=1)
 
 
 def _keep(t: Tensor) -> Tensor:
@@ -136,7 +143,7 @@ class _WindowedCausal(torch.autograd.Function):
             o_THV[start:start + n] = o_1HWV[0, :, :n].transpose(0, 1)
             graphs.append((leaves, o_1HWV))
         for a, b in plan.singles:
-            o_THV[a:b] = v[a:b]
+            o_THV[a:b] = _heads(v[a:b], H)
         ctx.graphs, ctx.plan = graphs, plan
         ctx.shapes = (q_THK.shape, k_THK.shape, v_THV.shape)
         return o_THV
@@ -148,21 +155,25 @@ class _WindowedCausal(torch.autograd.Function):
         dk_THK = do_THV.new_empty(k_shape)
         dv_THV = do_THV.new_empty(v_shape)
         graphs, ctx.graphs = ctx.graphs, None
-        for (start, n, _), (leaves, o_1HWV) in zip(ctx.plan.windows, graphs):
-            do_1HWV = torch.zeros_like(o_1HWV)  # the output's strides: cuDNN's backward takes it as is
-            do_1HWV[0, :, :n] = do_THV[start:start + n].transpose(0, 1)
+        for (start, n, w), (leaves, o_1HWV) in zip(ctx.plan.windows, graphs):
+            do_1HWV = do_THV[start:start + n].unsqueeze(0).transpose(1, 2)
+            if w != n or do_1HWV.stride() != o_1HWV.stride():
+                # the extra rows' output gradient is zero; the output's strides (cuDNN's backward takes it as is)
+                do_1HWV = torch.zeros_like(o_1HWV)
+                do_1HWV[0, :, :n] = do_THV[start:start + n].transpose(0, 1)
             dq, dk, dv = torch.autograd.grad(o_1HWV, leaves, do_1HWV)
             dq_THK[start:start + n], dk_THK[start:start + n], dv_THV[start:start + n] = dq[:n], dk[:n], dv[:n]
-        for a, b in ctx.plan.singles:  # o = v there
+        for a, b in ctx.plan.singles:  # o = v there (each kv head serving its group of query heads)
             dq_THK[a:b], dk_THK[a:b] = 0, 0
-            dv_THV[a:b] = do_THV[a:b]
+            G = v_shape[1]
+            dv_THV[a:b] = do_THV[a:b].unflatten(1, (G, -1)).sum(2)
         return dq_THK, dk_THK, dv_THV, None, None
 
 
 @torch.compiler.disable  # a Python loop over the batch's windows: eager (a graph break under torch.compile)
 def windowed_causal(q_THK: Tensor, k_THK: Tensor, v_THV: Tensor, plan: WindowPlan,
                     scale: Optional[float]) -> Tensor:
-    """o [T, H, V]: causal attention within each segment of ``plan`` (k and v with H heads)."""
+    """o [T, H, V]: causal attention within each segment of ``plan`` (k and v with H heads, or G dividing H)."""
     assert q_THK.shape[0] == plan.total, "the plan describes another batch"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q_THK, k_THK, v_THV)):
         return _WindowedCausal.apply(q_THK, k_THK, v_THV, plan, scale)
@@ -171,18 +182,18 @@ def windowed_causal(q_THK: Tensor, k_THK: Tensor, v_THV: Tensor, plan: WindowPla
         o_1HWV = _sdpa_window(*(_window(x, start, w) for x in (q_THK, k_THK, v_THV)), scale)
         o_THV[start:start + n] = o_1HWV[0, :, :n].transpose(0, 1)
     for a, b in plan.singles:
-        o_THV[a:b] = v_THV[a:b]
+        o_THV[a:b] = _heads(v_THV[a:b], q_THK.shape[1])
     return o_THV
 
 
 _WARMED: set[tuple] = set()
 
 
-def warm_window_plans(seq_len: int, heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device,
-                      scale: Optional[float], backward: bool) -> None:
+def warm_window_plans(seq_len: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
+                      device: torch.device, scale: Optional[float], backward: bool) -> None:
     """Run every bucket window of ``seq_len`` once (forward, and backward if ``backward``) so that the kernel's
     per-shape plans (cuDNN's) exist before the timed steps; once per shape and process, CUDA only."""
-    key = (seq_len, heads, qk_dim, v_dim, dtype, device, scale, backward)
+    key = (seq_len, heads, kv_heads, qk_dim, v_dim, dtype, device, scale, backward)
     if device.type != "cuda" or key in _WARMED:
         return
     _WARMED.add(key)
@@ -191,8 +202,8 @@ def warm_window_plans(seq_len: int, heads: int, qk_dim: int, v_dim: int, dtype: 
     with torch.enable_grad() if backward else torch.no_grad():
         for w in lengths:
             q = torch.zeros(w, heads, qk_dim, dtype=dtype, device=device, requires_grad=backward)
-            k = torch.zeros(w, heads, qk_dim, dtype=dtype, device=device, requires_grad=backward)
-            v = torch.zeros(w, heads, v_dim, dtype=dtype, device=device, requires_grad=backward)
+            k = torch.zeros(w, kv_heads, qk_dim, dtype=dtype, device=device, requires_grad=backward)
+            v = torch.zeros(w, kv_heads, v_dim, dtype=dtype, device=device, requires_grad=backward)
             o = _sdpa_window(q, k, v, scale)
             if backward:
                 torch.autograd.grad(o, (q, k, v), torch.zeros_like(o))
