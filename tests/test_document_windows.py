@@ -141,3 +141,33 @@ def test_warming_is_cuda_only_and_once(monkeypatch):
     monkeypatch.setattr(dw, "_sdpa_window", lambda *a: ran.append(a) or pytest.fail("ran on the CPU"))
     dw.warm_window_plans(512, 4, 2, 16, 16, torch.float32, torch.device("cpu"), None, True)
     assert not ran
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_every_window_has_the_warmed_layout(attention, monkeypatch):
+    """The kernel's plan cache keys on strides: every window (views and the padded last one) must have the layout of
+    the contiguous tensors warm_window_plans runs, also for MLA, whose v is a strided slice of a projection."""
+    from parallel_harness import DEEPSEEK_V3_MOE, DEEPSEEK_V3_TINY, small_config
+
+    from lightning_moe.models.transformer import MoETransformer
+
+    fields = DEEPSEEK_V3_TINY if attention == "mla" else dict(num_heads=4, num_kv_heads=2)
+    cfg = small_config({**fields, "attn_impl": "split", "max_seq_len": 64}, **(DEEPSEEK_V3_MOE if attention == "mla"
+                                                                              else {}))
+    model = MoETransformer(cfg)
+    model.init_weights()
+    seen = []
+    window = dw._sdpa_window
+
+    def spy(*args):
+        seen.append([(tuple(t.shape), t.stride()) for t in args[:3]])
+        return window(*args)
+
+    monkeypatch.setattr(dw, "_sdpa_window", spy)
+    pos = torch.cat([torch.arange(40), torch.arange(24)]).repeat(2, 1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 64))
+    model(ids, position_ids_BS=pos, document_segments=document_segments(pos)).float().sum().backward()
+    assert seen
+    for shapes in seen:
+        for shape, stride in shapes:
+            assert stride == torch.empty(shape).stride(), (shape, stride)

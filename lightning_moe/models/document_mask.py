@@ -336,6 +336,9 @@ class DocumentMask:
                 k_TGK, v_TGV = k_TGK.repeat_interleave(H // G, dim=1), v_TGV.repeat_interleave(H // G, dim=1)
             k_TP = k_shared_B1SP.transpose(1, 2).reshape(T, 1, -1)
             k_TGK = torch.cat([k_TGK, k_TP.expand(-1, k_TGK.shape[1], -1)], dim=-1)
+        # one memory layout for every window (a view of a strided slice, e.g. MLA's v, would be another shape to
+        # the kernel's plan cache than the warmed one and than a padded last window: a plan build in a later step)
+        q_THK, k_TGK, v_TGV = q_THK.contiguous(), k_TGK.contiguous(), v_TGV.contiguous()
         self._warm_windows(q_THK, k_TGK, v_TGV, scale)
         o_THV = windowed_causal(q_THK, k_TGK, v_TGV, self.window_plan, scale)
         return o_THV.view(B, S, H, -1).transpose(1, 2)
