@@ -141,3 +141,42 @@ def test_fused_swiglu_quant_stores_fp8_on_gpu(monkeypatch):
     _, q32, s32 = kernels.swiglu_quant_rowwise(g, u, p, q_dtype=torch.float32)
     assert q8.dtype == torch.float8_e4m3fn and torch.equal(q8.float(), q32) and torch.equal(s8, s32)
     assert torch.equal(q8.float() * s8[:, None], _qdq_along(h, -1))
+
+
+def test_token_counts_not_multiples_of_128_are_padded_for_torchao(monkeypatch):
+    """torchao's blockwise linear takes only multiples of 128 tokens (it asserted on the H200 sweep's M=64): the
+    wrapper pads with zero rows, which gives the emulation's numbers (outputs and both gradients), here with torchao's
+    kernel replaced by the emulation behind the same contract."""
+    linear = pytest.importorskip("torchao.prototype.blockwise_fp8_training.linear")
+    from lightning_moe.lowp.fp8_blockwise import fp8_blockwise_linear
+
+    calls = []
+
+    class ContractEmulation(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, block, dtype, use_triton):
+            assert x.dim() == 2 and x.shape[0] % block == 0, "torchao: first dimension must be divisible by 128"
+            calls.append(tuple(x.shape))
+            ctx.save_for_backward(x, w)
+            return emulated_fp8_blockwise_linear(x, w).detach()
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w = ctx.saved_tensors
+            with torch.enable_grad():
+                x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
+                dx, dw = torch.autograd.grad(emulated_fp8_blockwise_linear(x_, w_), (x_, w_), dy)
+            return dx, dw, None, None, None
+
+    monkeypatch.setattr(linear, "fp8_blockwise_mm", ContractEmulation)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 50, 256, generator=g, requires_grad=True)  # 100 tokens
+    w = (torch.randn(128, 256, generator=g) * 0.05).requires_grad_(True)
+    dy = torch.randn(2, 50, 128, generator=g)
+    outs = []
+    for fn in (fp8_blockwise_linear, emulated_fp8_blockwise_linear):
+        y = fn(x, w)
+        outs.append((y, *torch.autograd.grad(y, (x, w), dy)))
+    assert calls == [(128, 256)]
+    for a, b in zip(*outs):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=1e-6)

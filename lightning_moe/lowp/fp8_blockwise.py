@@ -84,11 +84,20 @@ def emulated_fp8_blockwise_linear(x: Tensor, w_NK: Tensor) -> Tensor:
 
 
 def fp8_blockwise_linear(x: Tensor, w_NK: Tensor) -> Tensor:
-    """torchao 0.18's blockwise FP8 linear (sm90: ``torch._scaled_mm`` with 1x128 / 128x128 scales)."""
+    """torchao 0.18's blockwise FP8 linear (sm90: ``torch._scaled_mm`` with 1x128 / 128x128 scales). Its wgrad tiles
+    the tokens by 128 and it refuses other counts, so the tokens are zero-padded to a multiple of 128 first (a
+    validation batch, a short sequence): zero rows change no tile's amax, add nothing to the weight gradient and are
+    sliced off the output, which is what the emulation's edge padding computes."""
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
     _check_dims(w_NK.shape[1], w_NK.shape[0], "fp8_blockwise linear")
-    return fp8_blockwise_mm.apply(x, w_NK, BLOCK, x.dtype, False)
+    x_MK = x.reshape(-1, x.shape[-1])
+    M = x_MK.shape[0]
+    pad = -M % BLOCK
+    if pad:
+        x_MK = torch.nn.functional.pad(x_MK, (0, 0, 0, pad))
+    y_MN = fp8_blockwise_mm.apply(x_MK, w_NK, BLOCK, x.dtype, False)
+    return y_MN[:M].reshape(*x.shape[:-1], w_NK.shape[0])
 
 
 class _EmulatedBlockwiseGroupedMM(torch.autograd.Function):
