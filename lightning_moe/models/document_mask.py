@@ -322,6 +322,7 @@ class DocumentMask:
             return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(q_BHSK, k_BHSK, v_BHSV, attn_mask=self.dense_B1SL, scale=scale)
 
+    @torch.compiler.disable  # per-batch Python (the windows): eager, one graph break, no guard on the plan
     def _split(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
                k_shared_B1SP: Optional[Tensor]) -> Tensor:
         assert self.window_plan is not None

@@ -189,6 +189,7 @@ def windowed_causal(q_THK: Tensor, k_THK: Tensor, v_THV: Tensor, plan: WindowPla
 _WARMED: set[tuple] = set()
 
 
+@torch.compiler.disable  # runs kernels once per shape: never traced into a compiled region
 def warm_window_plans(seq_len: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype,
                       device: torch.device, scale: Optional[float], backward: bool) -> None:
     """Run every bucket window of ``seq_len`` once (forward, and backward if ``backward``) so that the kernel's
