@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Document-masked attention vs full causal attention in a training step on one GPU (issue 22).
 
-One piece (about 510 lines): the kernel rotation, the budget planner and the table all read the same per-case run
+One piece (about 550 lines): the kernel rotation, the budget planner and the table all read the same per-case run
 records; split, a run's order and its budget would sit in different files.
 
 The same packed batches twice: the embedded corpus (Python's standard library, one document per file) under the
