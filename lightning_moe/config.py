@@ -18,7 +18,8 @@ from typing import Any, Literal, Optional, Union
 
 __all__ = ["MoEConfig", "ModelConfig", "PRESETS", "preset_names", "resolve_model_config", "YaRNScaling"]
 
-ATTN_IMPLS = ("auto", "sdpa", "flex", "varlen", "split")  # attention kernels of packed batches (models/document_mask.py)
+# attention kernels of packed batches (models/document_mask.py)
+ATTN_IMPLS = ("auto", "sdpa", "flex", "varlen", "split")
 
 @dataclass
 class YaRNScaling:

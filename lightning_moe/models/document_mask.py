@@ -286,12 +286,8 @@ class DocumentMask:
                k_shared_B1SP: Optional[Tensor] = None) -> Tensor:
         """o [B, H, S, V] on one process: k/v may hold fewer heads (GQA) and a key part shared by every head
         (MLA's RoPE key), as at :class:`~lightning_moe.models.transformer.CoreAttention`."""
-        if self.impl == "split" and self.window_plan is None and q_BHSK.is_cuda:  # the causal shortcut: warm anyway
-            k_dim = k_BGSK.shape[-1] + (0 if k_shared_B1SP is None else k_shared_B1SP.shape[-1])
-            G = k_BGSK.shape[1] if k_shared_B1SP is None else q_BHSK.shape[1]
-            backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHSK, k_BGSK, v_BGSV))
-            warm_window_plans(self.doc_BS.shape[1], q_BHSK.shape[1], G, k_dim, v_BGSV.shape[-1], q_BHSK.dtype,
-                              q_BHSK.device, scale, backward)
+        if self.impl == "split":
+            self._warm_windows(q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP)
         if len(self.row_runs) == 1:
             return self._attend_rows(self.row_runs[0][2], 0, q_BHSK, k_BGSK, v_BGSV, scale, k_shared_B1SP)
         # rows of one document through the causal kernel, the others through the kernel; the pieces are [b, S, H, V]
@@ -340,16 +336,22 @@ class DocumentMask:
         # one memory layout for every window (a view of a strided slice, e.g. MLA's v, would be another shape to
         # the kernel's plan cache than the warmed one and than a padded last window: a plan build in a later step)
         q_THK, k_TGK, v_TGV = q_THK.contiguous(), k_TGK.contiguous(), v_TGV.contiguous()
-        self._warm_windows(q_THK, k_TGK, v_TGV, scale)
         o_THV = windowed_causal(q_THK, k_TGK, v_TGV, self.window_plan, scale)
         return o_THV.view(B, S, H, -1).transpose(1, 2)
 
-    def _warm_windows(self, q_THK: Tensor, k_TGK: Tensor, v_TGV: Tensor, scale: Optional[float]) -> None:
+    def _warm_windows(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
+                      k_shared_B1SP: Optional[Tensor]) -> None:
         """The windows' kernel plans for this batch shape, built on the first "split" forward of it (also one whose
-        rows are all single documents), so that no later step pays for one."""
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q_THK, k_TGK, v_TGV))
-        warm_window_plans(self.doc_BS.shape[1], q_THK.shape[-2], k_TGK.shape[-2], k_TGK.shape[-1], v_TGV.shape[-1],
-                          q_THK.dtype, q_THK.device, scale, backward)
+        rows are all single documents, the causal shortcut), so that no later step pays for one. The shapes are
+        those :meth:`_split` hands the kernel: G kv heads, or every head when MLA's shared key part is appended."""
+        if not q_BHSK.is_cuda:
+            return
+        H = q_BHSK.shape[1]
+        G = k_BGSK.shape[1] if k_shared_B1SP is None else H
+        k_dim = k_BGSK.shape[-1] + (0 if k_shared_B1SP is None else k_shared_B1SP.shape[-1])
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHSK, k_BGSK, v_BGSV))
+        warm_window_plans(self.doc_BS.shape[1], H, G, k_dim, v_BGSV.shape[-1], q_BHSK.dtype, q_BHSK.device, scale,
+                          backward)
 
     def _varlen(self, q_BHSK: Tensor, k_BGSK: Tensor, v_BGSV: Tensor, scale: Optional[float],
                 k_shared_B1SP: Optional[Tensor], cu_seqlens: Tensor) -> Tensor:

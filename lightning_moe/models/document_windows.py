@@ -25,7 +25,7 @@ takes the windows only for models that neither recompute nor offload, and per ba
 few, long documents, where the fast kernel wins; many short ones go to varlen / flex, where one call per document
 would cost more on the host than it saves on the GPU.
 
-Legend: T = B * S flattened tokens, H heads (k and v already expanded to H), K q/k head dim, V v head dim,
+Legend: T = B * S flattened tokens, H query heads, G kv heads (G divides H), K q/k head dim, V v head dim,
 W window length, N segments.
 """
 
@@ -71,7 +71,6 @@ class WindowPlan(NamedTuple):
 
     windows: tuple[tuple[int, int, int], ...]
     singles: tuple[tuple[int, int], ...]
-    seq_len: int
     total: int
 
     @classmethod
@@ -90,7 +89,7 @@ class WindowPlan(NamedTuple):
             else:
                 windows.append((start, n, window_length(n, seq_len)))
             start += n
-        return cls(tuple(windows), tuple(singles), seq_len, start)
+        return cls(tuple(windows), tuple(singles), start)
 
 
 def prefer_windows(lengths: list[int]) -> bool:
@@ -128,11 +127,11 @@ class _WindowedCausal(torch.autograd.Function):
     """The windows with gradients: each window's graph kept in ``ctx`` and run by ``torch.autograd.grad``."""
 
     @staticmethod
-    def forward(ctx, q_THK: Tensor, k_THK: Tensor, v_THV: Tensor, plan: WindowPlan,  # type: ignore[override]
+    def forward(ctx, q_THK: Tensor, k_TGK: Tensor, v_TGV: Tensor, plan: WindowPlan,  # type: ignore[override]
                 scale: Optional[float]) -> Tensor:
         T, H, _ = q_THK.shape
-        o_THV = q_THK.new_empty(T, H, v_THV.shape[2])
-        q, k, v = q_THK.detach(), k_THK.detach(), v_THV.detach()
+        o_THV = q_THK.new_empty(T, H, v_TGV.shape[2])
+        q, k, v = q_THK.detach(), k_TGK.detach(), v_TGV.detach()
         graphs = []
         for start, n, w in plan.windows:
             # the windows' graphs are held here, so the saved-tensor hooks around the call (recomputation, offload)
@@ -145,15 +144,15 @@ class _WindowedCausal(torch.autograd.Function):
         for a, b in plan.singles:
             o_THV[a:b] = _heads(v[a:b], H)
         ctx.graphs, ctx.plan = graphs, plan
-        ctx.shapes = (q_THK.shape, k_THK.shape, v_THV.shape)
+        ctx.shapes = (q_THK.shape, k_TGK.shape, v_TGV.shape)
         return o_THV
 
     @staticmethod
     def backward(ctx, do_THV: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
         q_shape, k_shape, v_shape = ctx.shapes
         dq_THK = do_THV.new_empty(q_shape)
-        dk_THK = do_THV.new_empty(k_shape)
-        dv_THV = do_THV.new_empty(v_shape)
+        dk_TGK = do_THV.new_empty(k_shape)
+        dv_TGV = do_THV.new_empty(v_shape)
         graphs, ctx.graphs = ctx.graphs, None
         for (start, n, w), (leaves, o_1HWV) in zip(ctx.plan.windows, graphs):
             do_1HWV = do_THV[start:start + n].unsqueeze(0).transpose(1, 2)
@@ -162,27 +161,27 @@ class _WindowedCausal(torch.autograd.Function):
                 do_1HWV = torch.zeros_like(o_1HWV)
                 do_1HWV[0, :, :n] = do_THV[start:start + n].transpose(0, 1)
             dq, dk, dv = torch.autograd.grad(o_1HWV, leaves, do_1HWV)
-            dq_THK[start:start + n], dk_THK[start:start + n], dv_THV[start:start + n] = dq[:n], dk[:n], dv[:n]
+            dq_THK[start:start + n], dk_TGK[start:start + n], dv_TGV[start:start + n] = dq[:n], dk[:n], dv[:n]
         for a, b in ctx.plan.singles:  # o = v there (each kv head serving its group of query heads)
-            dq_THK[a:b], dk_THK[a:b] = 0, 0
+            dq_THK[a:b], dk_TGK[a:b] = 0, 0
             G = v_shape[1]
-            dv_THV[a:b] = do_THV[a:b].unflatten(1, (G, -1)).sum(2)
-        return dq_THK, dk_THK, dv_THV, None, None
+            dv_TGV[a:b] = do_THV[a:b].unflatten(1, (G, -1)).sum(2)
+        return dq_THK, dk_TGK, dv_TGV, None, None
 
 
 @torch.compiler.disable  # a Python loop over the batch's windows: eager (a graph break under torch.compile)
-def windowed_causal(q_THK: Tensor, k_THK: Tensor, v_THV: Tensor, plan: WindowPlan,
+def windowed_causal(q_THK: Tensor, k_TGK: Tensor, v_TGV: Tensor, plan: WindowPlan,
                     scale: Optional[float]) -> Tensor:
-    """o [T, H, V]: causal attention within each segment of ``plan`` (k and v with H heads, or G dividing H)."""
+    """o [T, H, V]: causal attention within each segment of ``plan`` (k and v with G heads, G dividing H)."""
     assert q_THK.shape[0] == plan.total, "the plan describes another batch"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_THK, k_THK, v_THV)):
-        return _WindowedCausal.apply(q_THK, k_THK, v_THV, plan, scale)
-    o_THV = q_THK.new_empty(*q_THK.shape[:2], v_THV.shape[2])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_THK, k_TGK, v_TGV)):
+        return _WindowedCausal.apply(q_THK, k_TGK, v_TGV, plan, scale)
+    o_THV = q_THK.new_empty(*q_THK.shape[:2], v_TGV.shape[2])
     for start, n, w in plan.windows:
-        o_1HWV = _sdpa_window(*(_window(x, start, w) for x in (q_THK, k_THK, v_THV)), scale)
+        o_1HWV = _sdpa_window(*(_window(x, start, w) for x in (q_THK, k_TGK, v_TGV)), scale)
         o_THV[start:start + n] = o_1HWV[0, :, :n].transpose(0, 1)
     for a, b in plan.singles:
-        o_THV[a:b] = _heads(v_THV[a:b], q_THK.shape[1])
+        o_THV[a:b] = _heads(v_TGV[a:b], q_THK.shape[1])
     return o_THV
 
 
