@@ -15,7 +15,8 @@ pytest.importorskip("torchao.float8", reason="the fp8 dense linears use torchao 
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "low_precision.py"
 SMOKE = ["--device", "cpu", "--small", "--shapes", "mixtral", "--iters", "1", "--warmup", "1", "--steps", "2",
-         "--seq-len", "64", "--conv-steps", "3", "--recipes", "fp8_rowwise,nvfp4", "--repeats", "2"]
+         "--seq-len", "64", "--conv-steps", "3", "--recipes", "fp8_rowwise,nvfp4", "--repeats", "2",
+         "--step-modes", "eager", "--noise-seed", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +50,24 @@ def test_every_mode_runs_on_cpu(bench, tmp_path, capsys):
         t = layer[recipe]["learned"]
         assert len(t["ms_repeats"]) == 2 and min(t["ms_repeats"]) <= t["ms"] <= max(t["ms_repeats"])
     assert layer["auto"]["converted"] == []  # no crossover table for a CPU: the auto choice is bf16 everywhere
-    assert [r["recipe"] for r in report["step"]] == ["baseline", "auto", "fp8_tensorwise", "fp8_rowwise"]
+    # both step models (the Qwen3 bench model, the DeepSeek-V3 shape), each with the baseline and both recipes
+    assert [(r["model"], r["mode"], r["recipe"]) for r in report["step"]] == [
+        (m, "eager", r) for m in ("qwen8", "dsv3") for r in ("baseline", "auto", "fp8_rowwise")]
     assert all(r["tokens_per_s"] > 0 and "error" not in r for r in report["step"])
     assert all(r["repeats"] == 2 and len(r["tokens_per_s_repeats"]) == 2 for r in report["step"])
+    targets = {(r["model"], r["recipe"]): r.get("target") for r in report["step"]}
+    assert targets[("dsv3", "auto")] == 1.1 and targets[("qwen8", "auto")] == 0.98  # issue 23's, on the default
+    fp8 = {r["model"]: r for r in report["step"] if r["recipe"] == "fp8_rowwise"}
+    assert all(len(r["converted"]) > 0 for r in fp8.values())  # forced FP8 really converted GEMMs
     conv = report["convergence"]
     assert conv["preset"] == "tiny" and conv["settings"]["precision"] == "32-true"
-    assert [r["recipe"] for r in conv["runs"]] == ["baseline", "fp8_rowwise", "nvfp4"]
-    for s in conv["summary"]:  # the same init and data as the baseline, a finite comparison over all steps
+    assert [r["recipe"] for r in conv["runs"]] == ["baseline", "fp8_rowwise", "nvfp4", "baseline_seed1"]
+    *recipes, noise = conv["summary"]
+    for s in recipes:  # the same init and data as the baseline, a finite comparison over all steps
         assert s["same_init"] and s["same_data"] and s["compared_steps"] == 3 and abs(s["rel_diff"]) < 0.5
-        assert s["emulate"] is True
+        assert s["emulate"] is True and s["target"] in (0.01, 0.03)
+    # the second init: same data, another init, no target (it is the noise the others are read against)
+    assert noise["same_data"] and not noise["same_init"] and noise["target"] is None and noise["ok"] is None
     assert Path(conv["curves"]).exists() and Path(conv["curves"]).parent == out.parent
     printed = capsys.readouterr().out
     assert "##### summary" in printed and "s/step" in printed
@@ -68,4 +78,5 @@ def test_time_limit_skips_units_with_a_message(bench, tmp_path, capsys):
     assert report["layer"] == [{"shape": "mixtral", "skipped": "time limit"}]
     assert all(r["skipped"] == "time limit" for r in report["step"])
     assert all(s["note"] == "skipped (time limit)" for s in report["convergence"]["summary"])
-    assert capsys.readouterr().out.count("SKIPPED") == 1 + 4 * 2 + 3  # layer shape; step recipes x repeats; runs
+    # the layer shape; step models x recipes x repeats; the convergence runs and the second init
+    assert capsys.readouterr().out.count("SKIPPED") == 1 + 2 * 3 * 2 + 3 + 1
