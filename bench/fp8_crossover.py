@@ -22,8 +22,11 @@ GEMMs have no tensorwise variant (the experts run rowwise under ``fp8_tensorwise
 ``--time-limit`` (default 540 s): checked before each (shape, M); the table is rewritten after every shape, so what ran
 is always a complete, valid table (``complete`` false and ``not_run`` listing what did not).
 
-GPU (one H200, repository root; ~9 minutes; prints one line per shape and the table path):
+GPU (one H200, repository root; ~9 minutes or more; prints one line per shape and the table path):
     python -m bench fp8_crossover --time-limit 540
+A sweep cut by its time limit resumes from the table it wrote (measured shapes are kept); ``--remeasure dense``
+measures the dense shapes again (their kernels changed) and keeps the grouped ones:
+    python -m bench fp8_crossover --merge lightning_moe/lowp/crossover/sm90.json --time-limit 540
 CPU smoke test (emulated numerics, toy shapes, a table in /tmp; tests/test_fp8_crossover.py):
     python -m bench fp8_crossover --device cpu --emulate --small --out-dir /tmp/xo
 """
@@ -100,20 +103,21 @@ def _pattern(name: str) -> str:
 
 
 def dense_step(recipe: Optional[str], N: int, K: int, M: int, device: torch.device, dtype: torch.dtype,
-               emulate: bool) -> Callable[[], Any]:
+               emulate: bool, fused: bool = True, compiled: bool = False) -> Callable[[], Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     lin = nn.Linear(K, N, bias=False, device=device, dtype=dtype)
     model = nn.Sequential()
     model.add_module("proj", lin)
     if recipe is not None:
-        cb = LowPrecisionTraining(recipe, emulate=emulate)
+        cb = LowPrecisionTraining(recipe, emulate=emulate, **({} if fused else {"fused_dense": False}))
         cb.device = device
         cb.transform_model(model)
         assert cb.converted == ["proj"], cb.skipped
     x = torch.randn(M, K, device=device, dtype=dtype, generator=gen).requires_grad_(True)
     dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
     w = model.proj.weight
-    return lambda: torch.autograd.grad(model(x), (x, w), dy)
+    fwd = torch.compile(model, dynamic=False) if compiled else model
+    return lambda: torch.autograd.grad(fwd(x), (x, w), dy)
 
 
 def grouped_step(recipe: Optional[str], N: int, K: int, M: int, groups: int, device: torch.device,
@@ -156,6 +160,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed reps per point (default 2; 1 with --small)")
     p.add_argument("--max-rows", type=int, default=131072, help="grouped: cap on experts x M (memory)")
     p.add_argument("--min-speedup", type=float, default=1.0, help="ratio the crossover M needs from there on")
+    p.add_argument("--merge", default=None, metavar="TABLE", help="start from this table: its measured shapes are "
+                   "kept and not measured again (a sweep cut by --time-limit resumes where it stopped), except the "
+                   "kinds named by --remeasure")
+    p.add_argument("--remeasure", default="", help="with --merge: comma-separated kinds (dense, grouped) measured "
+                   "again, e.g. after their kernels changed")
+    p.add_argument("--dense-impl", choices=["fused", "torchao"], default="fused", help="dense FP8 linears: ours "
+                   "(fused quantization kernels, what eager training runs) or torchao's Float8Linear")
+    p.add_argument("--mode", choices=["eager", "compiled"], default="eager", help="compiled: the dense linears "
+                   "(only) under torch.compile, bf16 and torchao's Float8Linear alike, as a compiled region of "
+                   "MoEParallelStrategy(compile=True) runs them (one compile per shape, M and recipe: use with "
+                   "--m-min 1024 or so); entries are marked with the mode, and merge with an eager table")
     p.add_argument("--grouped-blockwise-fallback", action="store_true", help="time torchao's blockwise grouped GEMM "
                    "even without DeepGEMM (its dequantizing fallback; skipped by default on CUDA)")
     args = p.parse_args(argv)
@@ -184,7 +199,31 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu --emulate for the smoke test)")
     args.emulate = args.emulate or args.device == "cpu"
+    args.remeasure = [k.strip() for k in args.remeasure.split(",") if k.strip()]
+    if any(k not in ("dense", "grouped") for k in args.remeasure) or (args.remeasure and not args.merge):
+        raise SystemExit("--remeasure: kinds dense and/or grouped, with --merge TABLE")
+    if args.merge and not Path(args.merge).is_file():
+        raise SystemExit(f"--merge {args.merge}: no such table")
     return args
+
+
+def shape_key(e: dict[str, Any]) -> tuple:
+    return (e["kind"], e["N"], e["K"], e["groups"], e.get("mode", "eager"))
+
+
+def merged_entries(path: str, remeasure: list[str]) -> tuple[list[dict[str, Any]], set[tuple], dict[str, Any],
+                                                            list[dict[str, Any]]]:
+    """The entries of a table to keep, the shapes they measured completely (not measured again), a record of where
+    they came from, and the shapes it did not reach."""
+    prior = json.loads(Path(path).read_text())
+    if prior.get("schema") != SCHEMA:
+        raise SystemExit(f"--merge {path}: schema {prior.get('schema')}, this sweep writes {SCHEMA}")
+    partial = {shape_key(n) for n in prior.get("not_run", [])}
+    keep = [e for e in prior["entries"] if e["kind"] not in remeasure and shape_key(e) not in partial]
+    # the shapes the prior sweep did not reach stay "not run" unless this sweep measures them
+    source = {k: prior.get(k) for k in ("command", "date", "torch", "torchao", "gpu")}
+    source["entries_kept"] = len(keep)
+    return keep, {shape_key(e) for e in keep}, source, list(prior.get("not_run", []))
 
 
 def versions() -> dict[str, Any]:
@@ -209,6 +248,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out_dir) / f"{arch}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     todo = shapes(args.presets, args.small)
+    compiled = args.mode == "compiled"
+    if compiled:  # the experts run eagerly under MoEParallelStrategy(compile=True): only dense linears compile
+        todo = [(g, names) for g, names in todo if g.kind == "dense"]
     skip_grouped_blockwise = (device.type == "cuda" and not args.emulate and not grouped_blockwise_has_kernels()
                               and not args.grouped_blockwise_fallback)
     if skip_grouped_blockwise:
@@ -220,8 +262,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": " ".join(["python", "-m", "bench", "fp8_crossover", *argv]), "emulate": args.emulate,
         "dtype": str(dtype).removeprefix("torch."), "reps": args.reps, "warmup": args.warmup,
         "max_rows": args.max_rows, "min_speedup": args.min_speedup, "m_grid": m_grid, "presets": args.presets,
-        "entries": [], "complete": False, "not_run": [], "errors": [],
+        "entries": [], "complete": False, "not_run": [], "errors": [], "dense_impl": args.dense_impl,
         "grouped_blockwise_timed": not skip_grouped_blockwise}
+    done: set[tuple] = set()
+    if args.merge:
+        table["entries"], done, table["merged_from"], prior_not_run = merged_entries(args.merge, args.remeasure)
+        # shapes of another mode the prior sweep did not reach: still not run (this sweep does not measure them)
+        table["not_run"] = [n for n in prior_not_run if n.get("mode", "eager") != args.mode]
+        log(f"--merge {args.merge}: {len(table['entries'])} entries kept over {len(done)} shapes"
+            + (f"; measuring {args.remeasure} again" if args.remeasure else ""))
+        todo = [(g, names) for g, names in todo if (g.kind, g.N, g.K, g.groups, args.mode) not in done]
 
     def save() -> None:
         table["elapsed_s"] = round(time.perf_counter() - t0, 1)
@@ -241,10 +291,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             if not recipes:
                 log(f"{label}: no recipe fits these dims")
             else:
-                table["not_run"].append({"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "names": names})
+                table["not_run"].append({"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "names": names,
+                                         "mode": args.mode})
             continue
         entries = {r: {"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "recipe": r, "names": names,
-                       "ratios": {}, "bf16_ms": {}, "fp8_ms": {}, "groups_at": {}} for r in recipes}
+                       "ratios": {}, "bf16_ms": {}, "fp8_ms": {}, "groups_at": {}, "mode": args.mode,
+                       "dense_impl": None if g.kind == "grouped" else
+                       ("torchao" if compiled else args.dense_impl)} for r in recipes}
         for M in m_grid:
             left = args.time_limit - (time.perf_counter() - t0)
             if left < 2 * point_s + 1.0:
@@ -256,7 +309,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             try:
                 def step(recipe: Optional[str]) -> Callable[[], Any]:
                     if g.kind == "dense":
-                        return dense_step(recipe, g.N, g.K, M, device, dtype, args.emulate)
+                        return dense_step(recipe, g.N, g.K, M, device, dtype, args.emulate,
+                                          args.dense_impl == "fused" and not compiled, compiled)
                     return grouped_step(recipe, g.N, g.K, M, groups, device, dtype, args.emulate)
 
                 base = time_steps(step(None), device, args.warmup, args.reps)["ms"]
@@ -286,9 +340,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         f"({' '.join(format(v, '.2f') for v in entries[r]['ratios'].values())})" for r in recipes))
         if stopped:
             table["not_run"].append({"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "names": names,
-                                     "partial": True})
+                                     "mode": args.mode, "partial": True})
         save()
-    table["complete"] = not table["not_run"]
+    # complete: every shape measured eagerly (a compiled sweep covers the shapes it is asked to, on top)
+    table["complete"] = not [n for n in table["not_run"] if n.get("mode", "eager") == "eager"]
     save()
     log(f"wrote {out}: {len(table['entries'])} entries, complete={table['complete']}, "
         f"{len(table['errors'])} errors, {table['elapsed_s']:.0f} s")

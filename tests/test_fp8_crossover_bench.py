@@ -63,3 +63,41 @@ def test_crossover_is_the_start_of_the_paying_tail():
     assert crossover_m({64: 1.2, 128: 1.1}) == 64
     assert crossover_m({64: 1.2, 128: 0.9}) is None
     assert crossover_m({64: 0.9, 128: 0.95}, min_speedup=0.9) == 64
+
+
+def test_merge_resumes_a_cut_sweep_and_remeasures_a_kind(bench, tmp_path):
+    """A sweep cut by its time limit resumes from its table: what it measured is kept (not timed again), the rest is
+    measured; --remeasure drops one kind's entries and measures them again."""
+    full = _run(bench, tmp_path / "full")
+    cut_dir = tmp_path / "cut"
+    cut = _run(bench, cut_dir, "--presets", "tiny", "--m-max", "128")  # a complete table of fewer Ms ...
+    cut["not_run"] = [{k: e[k] for k in ("kind", "N", "K", "groups", "names")} for e in cut["entries"]
+                      if e["kind"] == "dense"]  # ... pretend the dense shapes were not reached
+    cut["entries"] = [e for e in cut["entries"] if e["kind"] == "grouped"]
+    (cut_dir / "cpu.json").write_text(json.dumps(cut))
+    resumed = _run(bench, tmp_path / "resumed", "--merge", str(cut_dir / "cpu.json"))
+    grouped = [e for e in resumed["entries"] if e["kind"] == "grouped"]
+    dense = [e for e in resumed["entries"] if e["kind"] == "dense"]
+    assert grouped == cut["entries"]  # kept as they were: the two-M grid of the cut run
+    assert dense and all(list(e["ratios"]) == [str(m) for m in full["m_grid"]] for e in dense)  # measured now
+    assert resumed["complete"] is True and resumed["merged_from"]["entries_kept"] == len(grouped)
+    again = _run(bench, tmp_path / "again", "--merge", str(cut_dir / "cpu.json"), "--remeasure", "grouped")
+    assert all(list(e["ratios"]) == [str(m) for m in full["m_grid"]] for e in again["entries"])
+    with pytest.raises(SystemExit, match="--remeasure"):
+        bench.parse_args(["--device", "cpu", "--remeasure", "grouped"])
+
+
+def test_compiled_entries_are_looked_up_only_for_compiled_gemms():
+    """A dense GEMM in a compiled region is looked up among compiled entries only (torchao under inductor costs
+    differently from our eager kernels); without one it stays in high precision."""
+    from lightning_moe.lowp.crossover import Gemm
+
+    entry = {"kind": "dense", "N": 64, "K": 32, "groups": 1, "recipe": "fp8_rowwise", "ratios": {"64": 1.5}}
+    table = CrossoverTable({"schema": SCHEMA, "entries": [entry]})
+    eager, comp = Gemm("a", "dense", 64, 32), Gemm("a", "dense", 64, 32, mode="compiled")
+    assert table.choose(eager, 64, ["fp8_rowwise"])[0] == "fp8_rowwise"
+    assert table.choose(comp, 64, ["fp8_rowwise"]) == (None, None, "shape not in table")
+    table = CrossoverTable({"schema": SCHEMA, "entries": [entry, {**entry, "mode": "compiled", "ratios": {"64": 0.9}}]})
+    assert table.choose(comp, 64, ["fp8_rowwise"]) == (None, 0.9, "below crossover")
+    with pytest.raises(ValueError, match="mode"):
+        CrossoverTable({"schema": SCHEMA, "entries": [{**entry, "mode": "graph"}]})

@@ -11,12 +11,18 @@ Schema (``SCHEMA`` = 1)::
                   "names": [...],                    # which preset GEMMs have this shape (for the reader)
                   "ratios": {"<M>": bf16_ms / fp8_ms, ...},   # measured Ms only
                   "groups_at": {"<M>": int},          # grouped: experts actually run at M (capped by memory)
-                  "crossover_m": int | null}]}
+                  "crossover_m": int | null,
+                  "mode": "eager" | "compiled"}]}     # how the GEMM ran (absent: eager)
 
 ``M`` is the rows of one GEMM: tokens of the micro-batch for a dense linear, rows *per expert* for a grouped one
 (``N`` output, ``K`` contraction: gate / up ``N=F, K=D``, down ``N=D, K=F``). ``crossover_m`` is the smallest
 measured M from which every larger measured M has a ratio of at least ``min_speedup`` (1.0 when written): a noisy
 dip above it moves the crossover up, never down, so a table decision does not lose speed at the measured shapes.
+
+``mode``: a dense linear inside a region that ``MoEParallelStrategy(compile=...)`` compiles runs torchao's
+``Float8Linear`` under inductor (which fuses its quantization into the neighbouring kernels), anywhere else our
+eager FP8 linear; the two cost differently, so a GEMM is looked up only among entries measured the way it will run
+(:attr:`Gemm.mode`). A compiled GEMM whose shape has no compiled entry stays in high precision.
 """
 
 from __future__ import annotations
@@ -26,29 +32,32 @@ import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
-__all__ = ["SCHEMA", "KINDS", "Gemm", "CrossoverTable", "crossover_m", "device_arch", "model_gemms",
+__all__ = ["SCHEMA", "KINDS", "MODES", "Gemm", "CrossoverTable", "crossover_m", "device_arch", "model_gemms",
            "shipped_table_path", "BENCH_COMMAND"]
 
 SCHEMA = 1
 KINDS = ("dense", "grouped")
+MODES = ("eager", "compiled")
 BENCH_COMMAND = "python -m bench fp8_crossover --time-limit 540"
 
 
 @dataclass(frozen=True)
 class Gemm:
     """One GEMM of a model: ``name`` the module (dense) or ``<experts>.w1_w3`` / ``<experts>.w2`` (grouped), the
-    local (per-rank) N / K, and the local experts it is grouped over (1 for dense)."""
+    local (per-rank) N / K, the local experts it is grouped over (1 for dense), and whether it runs in a compiled
+    region (``mode``: the table entries it is looked up among)."""
 
     name: str
     kind: str
     N: int
     K: int
     groups: int = 1
+    mode: str = "eager"
 
 
 def device_arch(device: Union[str, torch.device, None] = None) -> str:
@@ -75,9 +84,11 @@ def crossover_m(ratios: dict[int, float], min_speedup: float = 1.0) -> Optional[
     return best
 
 
-def model_gemms(model: nn.Module, *, ep: int = 1, etp: int = 1) -> list[Gemm]:
+def model_gemms(model: nn.Module, *, ep: int = 1, etp: int = 1,
+                compiled: Optional[Callable[[str], bool]] = None) -> list[Gemm]:
     """Every nn.Linear (dense, its global shape) and every grouped-GEMM experts module (two grouped GEMMs: gate /
-    up and down, local shapes under ``ep`` / ``etp``) of ``model``; names are module names."""
+    up and down, local shapes under ``ep`` / ``etp``) of ``model``; names are module names. ``compiled(name)``: the
+    dense linear runs inside a compiled region (mode "compiled"; the experts always run eagerly)."""
     from lightning_moe.moe.experts import GroupedExperts
 
     out: list[Gemm] = []
@@ -87,7 +98,8 @@ def model_gemms(model: nn.Module, *, ep: int = 1, etp: int = 1) -> list[Gemm]:
             e, f = max(1, E // ep), max(1, F // etp)
             out += [Gemm(f"{name}.w1_w3", "grouped", f, D, e), Gemm(f"{name}.w2", "grouped", D, f, e)]
         elif isinstance(m, nn.Linear):
-            out.append(Gemm(name, "dense", m.out_features, m.in_features))
+            mode = "compiled" if compiled is not None and compiled(name) else "eager"
+            out.append(Gemm(name, "dense", m.out_features, m.in_features, mode=mode))
     return out
 
 
@@ -99,11 +111,14 @@ class CrossoverTable:
             raise ValueError(f"{source}: not an FP8 crossover table of schema {SCHEMA} (remake it with "
                              f"`{BENCH_COMMAND}`)")
         self.data, self.source = data, source
-        self._by_shape: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        self._by_shape: dict[tuple[str, int, int, str], list[dict[str, Any]]] = {}
         for e in data["entries"]:
             if e["kind"] not in KINDS:
                 raise ValueError(f"{source}: entry kind {e['kind']!r} is not one of {KINDS}")
-            self._by_shape.setdefault((e["kind"], int(e["N"]), int(e["K"])), []).append(e)
+            mode = e.get("mode", "eager")
+            if mode not in MODES:
+                raise ValueError(f"{source}: entry mode {mode!r} is not one of {MODES}")
+            self._by_shape.setdefault((e["kind"], int(e["N"]), int(e["K"]), mode), []).append(e)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "CrossoverTable":
@@ -119,9 +134,9 @@ class CrossoverTable:
         return sorted({e["recipe"] for e in self.data["entries"]})
 
     def entry(self, gemm: Gemm, recipe: str) -> Optional[dict[str, Any]]:
-        """The entry of ``gemm``'s shape for ``recipe``: exact (kind, N, K); among several, the one measured over
-        the closest number of groups (log scale). None when the shape was not measured."""
-        cands = [e for e in self._by_shape.get((gemm.kind, gemm.N, gemm.K), []) if e["recipe"] == recipe]
+        """The entry of ``gemm``'s shape for ``recipe``: exact (kind, N, K, mode); among several, the one measured
+        over the closest number of groups (log scale). None when the shape was not measured (that way)."""
+        cands = [e for e in self._by_shape.get((gemm.kind, gemm.N, gemm.K, gemm.mode), []) if e["recipe"] == recipe]
         if not cands:
             return None
         return min(cands, key=lambda e: abs(math.log(max(1, int(e["groups"]))) - math.log(max(1, gemm.groups))))
