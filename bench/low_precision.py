@@ -22,8 +22,10 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  ``bench/train_step.py``, 4 x 4096 tokens; ``dsv3``: ``bench/deepseek_v3_step.py``'s DeepSeek-V3
                  shape, 3 layers and 64 experts, 2 x 4096) in each ``--step-modes`` entry (``eager``; ``compiled``:
                  regional torch.compile through ``MoEParallelStrategy(compile=True)``): baseline vs
-                 ``--step-recipes`` (auto, fp8_rowwise): tokens/s (median of ``--repeats`` interleaved runs), peak
-                 memory, how many GEMMs ran in FP8.
+                 ``--step-recipes`` (auto, fp8_rowwise): tokens/s, peak memory, how many GEMMs ran in FP8. A run's
+                 tokens/s is the median of ``--step-windows`` (3) equal windows of its timed steps, a recipe's the
+                 median over ``--step-repeats`` (1) interleaved runs: one run builds the model in 40-90 s on an
+                 H200, so repeats as separate runs would not fit a call.
 ``convergence``  ``--conv-steps`` (300) steps of ``--preset`` from the same init (same seed: the callback keeps
                  every module's init; each run records checksums of its first batch and initial weights) on the
                  embedded corpus, baseline then each of ``--recipes`` (``fp8_rowwise`` is FP8 forced on every GEMM
@@ -385,7 +387,7 @@ def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -
     recipes = (BASE, *args.step_recipes)
     cells = [(m, mode) for m in args.step_models for mode in args.step_modes]
     reps: dict[tuple[str, str, str], list[dict[str, Any]]] = {(m, mode, r): [] for m, mode in cells for r in recipes}
-    for rep in range(args.repeats):
+    for rep in range(args.step_repeats):
         for m, mode in cells:
             cfg, seq_len, batch_size = _step_model(m, args)
             need = UNIT_S[device.type]["step"] * STEP_COST.get((m, mode), 1.0)
@@ -396,6 +398,10 @@ def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -
                 r = _run(f"{m}-{mode}" + ("-small" if args.small else ""), cfg, recipe, args, device, peak, True,
                          args.steps, seq_len, batch_size, 3e-4, variant=variant)
                 r.pop("losses", None)
+                windows = step_windows(r.get("step_times_s") or [], args.warmup, args.step_windows,
+                                       batch_size * seq_len)
+                if windows:  # the run's rate: the median of its windows (a slow step moves one window only)
+                    r["tokens_per_s_windows"], r["tokens_per_s"] = windows, statistics.median(windows)
                 reps[(m, mode, recipe)].append(r)
     runs: list[dict[str, Any]] = []
     for m, mode in cells:
@@ -417,6 +423,16 @@ def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -
         runs += cell
     log(step_table(runs))
     return runs
+
+
+def step_windows(times: list[float], warmup: int, n: int, tokens_per_step: int) -> list[float]:
+    """Tokens/s of ``n`` consecutive equal windows of the steps after ``warmup`` (a remainder at the end is left
+    out); empty when there are fewer timed steps than windows."""
+    timed = times[warmup:]
+    size = len(timed) // n if n > 0 else 0
+    if size == 0:
+        return []
+    return [tokens_per_step * size / sum(timed[i * size:(i + 1) * size]) for i in range(n)]
 
 
 def step_table(runs: list[dict[str, Any]]) -> str:
@@ -659,10 +675,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5; 1 with --small)")
     g = p.add_argument_group("step")
     g.add_argument("--step-recipes", default="auto,fp8_rowwise")
+    g.add_argument("--step-repeats", type=int, default=1, help="step: runs per recipe (each builds the model: "
+                   "40-90 s on an H200), interleaved; the median")
+    g.add_argument("--step-windows", type=int, default=3, help="step: the timed steps of a run in this many equal "
+                   "windows; the run's tokens/s is their median")
     g.add_argument("--step-models", default=",".join(STEP_MODELS), help=f"comma-separated: {', '.join(STEP_MODELS)}")
     g.add_argument("--step-modes", default=",".join(STEP_MODES), help="eager and/or compiled (regional "
                    "torch.compile through MoEParallelStrategy(compile=True))")
-    g.add_argument("--steps", type=int, default=None, help="train-step mode steps (default 20; 4 with --small)")
+    g.add_argument("--steps", type=int, default=None, help="train-step mode steps per run, warmup included "
+                   "(default 29: 5 warmup, 3 windows of 8; 4 with --small)")
     g.add_argument("--seq-len", type=int, default=None, help="bench8 sequence length (default 4096; 128 --small)")
     g.add_argument("--batch-size", type=int, default=4, help="bench8 batch size")
     g = p.add_argument_group("convergence")
@@ -679,7 +700,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "--profile-recipes at each shape (device time by kernel category, top kernels)")
     g.add_argument("--profile-recipes", default="fp8_rowwise")
     a = p.parse_args(argv)
-    for k, full, tiny in (("iters", 20, 2), ("warmup", 5, 1), ("steps", 20, 4), ("conv_steps", 300, 8),
+    for k, full, tiny in (("iters", 20, 2), ("warmup", 5, 1), ("steps", 29, 4), ("conv_steps", 300, 8),
                           ("smooth", 20, 3), ("seq_len", 4096, 128)):
         if getattr(a, k) is None:
             setattr(a, k, tiny if a.small else full)
