@@ -49,7 +49,9 @@ def _auto(model, **kw):
 
 
 def _is_fp8(m: nn.Module) -> bool:
-    return type(m).__name__ == "Float8Linear"
+    from lightning_moe.lowp.fp8_linear import Fp8Linear
+
+    return isinstance(m, Fp8Linear) or type(m).__name__ == "Float8Linear"
 
 
 def _choices(cb):

@@ -284,6 +284,12 @@ class LowPrecisionTraining(L.Callback):
             where the experts gather their own rows (one process, fused kernels) the gather quantizes the gate / up
             input; the same numbers as ``fuse_quant=False`` (the unfused reference: each GEMM quantizes its bf16
             input), to fp32 rounding.
+        fused_dense: (dense linears in ``fp8_tensorwise`` / ``fp8_rowwise`` outside compiled regions, tp=1, no FP8
+            all-gather) run our eager FP8 linear (:mod:`lightning_moe.lowp.fp8_linear`): one fused kernel per
+            quantization, the input quantized once for every projection that reads it (``rowwise``: by the RMSNorm
+            before the attention, in its own kernel), each weight's FP8 copy made once per optimizer step (not under
+            FSDP: the copy would be the gathered weight), and ``tensorwise`` saving the FP8 input for the backward.
+            False, compiled regions, tp > 1 or ``fsdp_float8_all_gather``: torchao's ``Float8Linear``.
         cache_fp8_weights: (with ``fuse_quant``) keep each expert weight's FP8 copies (forward and dgrad layouts)
             until the next optimizer step, so a recompute or another micro-batch does not quantize it again: up to
             the size of the bf16 expert weights in extra memory. Off when FSDP shards the experts (``edp_shard >
@@ -301,7 +307,7 @@ class LowPrecisionTraining(L.Callback):
                  keep_bf16: Union[str, Sequence[str], None] = (), force: Union[str, Sequence[str], None] = (),
                  tokens_per_microbatch: Optional[int] = None, table: Union[str, Path, dict, None] = None,
                  min_speedup: float = 1.0, fsdp_float8_all_gather: bool = False, fuse_quant: bool = True,
-                 cache_fp8_weights: bool = True) -> None:
+                 cache_fp8_weights: bool = True, fused_dense: bool = True) -> None:
         if recipe != AUTO and recipe not in RECIPES:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: "
                              f"{[AUTO, *RECIPES]}")
@@ -325,7 +331,12 @@ class LowPrecisionTraining(L.Callback):
         self.table, self.min_speedup = table, float(min_speedup)
         self.fsdp_float8_all_gather = bool(fsdp_float8_all_gather)
         self.fuse_quant, self.cache_fp8_weights = bool(fuse_quant), bool(cache_fp8_weights)
+        self.fused_dense = bool(fused_dense)
         self._edp_shard = 1
+        # FSDP's shard size of the dense weights; None until setup knows the layout: the dense FP8 weight cache
+        # stays off then (FSDP2 refills its unsharded weights without a version bump, so a cached copy could go stale)
+        self._dense_shard: Optional[int] = None
+        self._compile_regions: tuple[str, ...] = ()
         self.device: Optional[torch.device] = None  # set by setup(); else the current CUDA device, else CPU
         self.converted: list[str] = []  # module names (auto: GEMM names) quantized by the last transform_model
         self.skipped: list[str] = []  # linears / experts left in high precision because of their dims
@@ -350,10 +361,14 @@ class LowPrecisionTraining(L.Callback):
             dims = strategy.parallel_dims
             self._ep, self._etp, self._cp, self._tp = dims.ep, dims.etp, dims.cp, dims.tp
             self._edp_shard = dims.edp_shard
+            self._dense_shard = dims.dp_replicate * dims.dp_shard * dims.cp  # data ranks FSDP2 spans
+            self._compile_regions = tuple(strategy.compile_regions)
             if self.dense and self.recipe in SWAPPED_RECIPES and dims.tp > 1:
                 raise ValueError(f"LowPrecisionTraining(recipe={self.recipe!r}) with tp={dims.tp}: block-scaled "
                                  "dense linears under tensor parallelism are not supported (blocks would straddle "
                                  "shards); use tp=1, dense=False, or an fp8 recipe")
+        elif getattr(trainer, "world_size", 1) == 1:  # one process, no FSDP
+            self._dense_shard = 1
         dm = getattr(trainer, "datamodule", None)
         if dm is not None and isinstance(getattr(dm, "batch_size", None), int) \
                 and isinstance(getattr(dm, "seq_len", None), int):
@@ -467,7 +482,8 @@ class LowPrecisionTraining(L.Callback):
                         and type(m.grouped_mm) is TorchGroupedMM)
             return self.dense and not _is_converted_linear(m) and not self._always_kept(g.name)
 
-        gemms = [g for g in model_gemms(model, ep=self._ep, etp=self._etp) if eligible(g)]
+        gemms = [g for g in model_gemms(model, ep=self._ep, etp=self._etp, compiled=self._compiled_linear)
+                 if eligible(g)]
         table = self._load_table()
         tokens = self._tokens()
         if tokens is None and (table is not None or self.force):
@@ -532,7 +548,19 @@ class LowPrecisionTraining(L.Callback):
         return LowPrecisionGroupedMM(recipe, self.emulate, name, fuse=self.fuse_quant,
                                      cache_weights=self.cache_fp8_weights and self._edp_shard == 1)
 
+    def _compiled_linear(self, name: str) -> bool:
+        """Whether the dense linear ``name`` runs inside a region ``MoEParallelStrategy(compile=...)`` compiles."""
+        parts = name.split(".")
+        return ("attention" in self._compile_regions and "attention" in parts) or \
+            ("mlp" in self._compile_regions and ("feed_forward" in parts or "shared_experts" in parts))
+
     def _convert_dense(self, model: nn.Module, names: set[str], recipe: str) -> None:
+        if recipe in ROWWISE_GROUPED and self.fused_dense and not self.fsdp_float8_all_gather and self._tp == 1:
+            eager = {n for n in names if not self._compiled_linear(n)}
+            self._swap_fp8_linears(model, eager, recipe.removeprefix("fp8_"))
+            names = names - eager
+            if not names:
+                return
         original = {name: type(model.get_submodule(name)) for name in names}
         if recipe in SWAPPED_RECIPES:
             if recipe in BLOCK_RECIPES:
@@ -564,6 +592,49 @@ class LowPrecisionTraining(L.Callback):
                     m.init_std = cls.init_std
 
 
+    def _swap_fp8_linears(self, model: nn.Module, names: set[str], recipe: str) -> None:
+        """Our eager FP8 linear in place of ``names`` (class swap; same parameters), with one input cache per group
+        of linears that read one activation (an attention block's input projections, an MLP's w1 / w3) and, for
+        ``rowwise``, the attention block's RMSNorm quantizing that input in its own kernel."""
+        from lightning_moe.lowp.fp8_fused import Fp8WeightCache
+        from lightning_moe.lowp.fp8_linear import Fp8InputCache, Fp8Linear, Fp8QuantRMSNorm, fp8_class
+        from lightning_moe.models.transformer import RMSNorm
+
+        groups: dict[tuple[str, str], list[str]] = {}
+        for name in sorted(names):
+            m = model.get_submodule(name)
+            m.__class__ = fp8_class(Fp8Linear, type(m))
+            m.lowp_recipe, m.lowp_emulate = recipe, self.emulate
+            m.lowp_weight_cache = Fp8WeightCache() if self._dense_shard == 1 and self.cache_fp8_weights else None
+            m.lowp_input_cache = None
+            parent, _, leaf = name.rpartition(".")
+            role = next((r for r, leaves in SHARED_INPUT.items() if leaf in leaves), None)
+            if role is not None:
+                groups.setdefault((parent, role), []).append(name)
+        for (parent, role), members in groups.items():
+            norm = None
+            if role == "attention" and recipe == "rowwise" and "norm" not in self._compile_regions:
+                block = model.get_submodule(parent.rpartition(".")[0]) if "." in parent else model
+                norm = getattr(block, "attention_norm", None) if parent.endswith("attention") else None
+                attention = model.get_submodule(parent)
+                readers = {f"{parent}.{leaf}" for leaf in SHARED_INPUT["attention"] if hasattr(attention, leaf)
+                           and isinstance(getattr(attention, leaf), nn.Linear)}
+                if not isinstance(norm, RMSNorm) or not readers <= set(members):
+                    norm = None  # a reader left in bf16 (or another recipe) would take nothing from the norm
+            if len(members) < 2 and norm is None:
+                continue
+            cache = Fp8InputCache(consumers=len(members))
+            for name in members:
+                model.get_submodule(name).lowp_input_cache = cache
+            if norm is not None:
+                norm.__class__ = fp8_class(Fp8QuantRMSNorm, type(norm))
+                norm.lowp_emulate, norm.lowp_input_cache = self.emulate, cache
+        # the original init stays: the swapped class is (Fp8Linear, original), whose reset_parameters comes first
+
+
+# linears that read one activation: (role) -> module leaf names; the attention's are its input projections
+SHARED_INPUT = {"attention": ("wq", "wk", "wv", "wq_a", "wkv_a"), "mlp": ("w1", "w3")}
+
 _BLOCK_CLASSES: dict[type, type] = {nn.Linear: BlockScaledLinear}
 
 
@@ -587,7 +658,9 @@ def _plain_fp8_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str
 
 
 def _is_converted_linear(m: nn.Module) -> bool:
-    return isinstance(m, BlockScaledLinear) or type(m).__name__ == "Float8Linear"
+    from lightning_moe.lowp.fp8_linear import Fp8Linear
+
+    return isinstance(m, (BlockScaledLinear, Fp8Linear)) or type(m).__name__ == "Float8Linear"
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:

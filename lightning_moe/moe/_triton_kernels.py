@@ -228,3 +228,36 @@ def gather_quant_rows_kernel(x_ptr, asg_ptr, dest_ptr, q_ptr, s_ptr, D, K: tl.co
         v = tl.load(x_ptr + t * D + d, mask=dmask & (_bcast(a, d) >= 0), other=0.0).to(tl.float32)
         tl.store(q_ptr + o * D + d, _quant_e4m3(v, scale).to(q_ptr.dtype.element_ty), mask=dmask)
     tl.store(s_ptr + o, 1.0 / scale)
+
+
+@triton.jit
+def rms_norm_quant_fwd_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, D, eps, BLOCK_D: tl.constexpr):
+    """y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w (fp32 math, stored in y's dtype) and in the same program the FP8
+    e4m3 rowwise quantization of the stored y (torchao's rowwise numerics, as :func:`swiglu_probs_quant_fwd_kernel`):
+    q[r] = e4m3(clamp(y[r] * scale)), s[r] = 1 / scale. Three passes over the row (sum of squares; y and its amax;
+    quantize the recomputed y, the same value). Grid (R,)."""
+    r = tl.program_id(0).to(tl.int64)
+    ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + r * D + d, mask=d < D, other=0.0).to(tl.float32)
+        ss += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
+    amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = d < D
+        x = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+        y = (x * rstd * w).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + r * D + d, y, mask=m)
+        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+    scale = _pow2_scale(amax)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = d < D
+        x = tl.load(x_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+        y = (x * rstd * w).to(y_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(q_ptr + r * D + d, _quant_e4m3(y, scale).to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + r, 1.0 / scale)

@@ -46,7 +46,8 @@ from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 __all__ = ["ENV_VAR", "backend", "use_triton", "k_sum", "gather_rows", "unpermute_backward", "swiglu",
-           "swiglu_reference", "swiglu_backward", "swiglu_quant_rowwise", "gather_quant_rowwise"]
+           "swiglu_reference", "swiglu_backward", "swiglu_quant_rowwise", "gather_quant_rowwise",
+           "rms_norm_quant_rowwise"]
 
 ENV_VAR = "LIGHTNING_MOE_KERNELS"
 _CHOICES = ("auto", "torch", "triton")
@@ -312,6 +313,24 @@ def gather_quant_rowwise(x_TD: Tensor, asg_R: Tensor, k: int, dest_R: Tensor, ro
         _kernels().gather_quant_rows_kernel[(R,)](x, _c(asg_R), _c(dest_R), q, s, D, K=k, BLOCK_D=block,
                                                   num_warps=warps)
     return q, s
+
+
+def rms_norm_quant_rowwise(x_RD: Tensor, w_D: Tensor, eps: float,
+                           q_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward only: ``y = rms_norm(x, w, eps)`` (fp32 math, y in x's dtype), its FP8 e4m3 rowwise quantization
+    ``q`` (the numerics of :func:`swiglu_quant_rowwise`, of the stored y) and the rows' dequantization scales ``s_R``,
+    in one Triton kernel (the attention projections' FP8 input, made by the norm that reads x anyway). ``q_dtype``
+    float32 under the interpreter. Needs :func:`use_triton`."""
+    _need_triton(x_RD, "rms_norm_quant_rowwise")
+    x = _c(x_RD)
+    R, D = x.shape
+    y, q = torch.empty_like(x), torch.empty_like(x, dtype=q_dtype)
+    s = torch.empty(R, device=x.device, dtype=torch.float32)
+    if x.numel():
+        block, warps = _row_block(D)
+        _kernels().rms_norm_quant_fwd_kernel[(R,)](x, _c(w_D), y, q, s, D, float(eps), BLOCK_D=block,
+                                                   num_warps=warps)
+    return y, q, s
 
 
 def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:

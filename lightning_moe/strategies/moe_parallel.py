@@ -213,6 +213,11 @@ class MoEParallelStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    def compile_regions(self) -> tuple[str, ...]:
+        """The regions regional ``torch.compile`` compiles (the ``compile`` argument resolved; empty: none)."""
+        return self._compile
+
+    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the model is parallelised in setup: load into its shards

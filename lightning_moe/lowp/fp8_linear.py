@@ -1,0 +1,408 @@
+"""Dense FP8 linear for eager training (issue 23): torchao's tensorwise / rowwise numerics with every quantization one
+fused kernel, the input quantized once for all the linears that read it (by the RMSNorm that makes it, where it can),
+the weight once per optimizer step, and -- in the tensorwise recipe -- the FP8 input saved for the backward.
+
+Why not torchao's ``Float8Linear`` here: in eager mode its casts are several PyTorch ops each (amax, scale, multiply,
+clamp, cast), which cost more than the FP8 GEMM saves (0.1-0.3x of bf16 on an H200 at every measured shape,
+``bench/results/fp8_crossover_h200.log``); torchao expects ``torch.compile`` to fuse them. Inside a compiled region
+the callback keeps torchao's module (inductor fuses its casts into the neighbouring kernels); this one runs eagerly.
+
+Legend: M rows (tokens), K in features, N out features; ``w_NK`` the ``nn.Linear`` weight.
+
+Numerics (those of torchao 0.18's ``Float8LinearConfig.from_recipe_name(...)``, the reference the tests compare
+with, ``emulate=True`` on both sides):
+
+* ``rowwise``: every operand e4m3, scales ``448 / amax`` (amax >= 1e-12) rounded down to a power of two. Forward:
+  x per row (amax over K), w per output row n (over K). dgrad ``dx = dy @ w``: dy per row (over N), w per input
+  column k (over N). wgrad ``dw = dy.T @ x``: dy per column n and x per column k, both over M, quantized from their
+  high-precision values -- so the bf16 x is what the backward keeps (a rowwise FP8 x re-quantized per column would
+  round twice).
+* ``tensorwise``: one fp32 scale ``max / amax`` per tensor (not rounded), x and w e4m3, dy e5m2. The forward's FP8
+  x (and its scale) *is* the wgrad's operand, transposed, so the backward keeps it instead of the bf16 x: half the
+  bytes of the input saved per linear.
+
+Products accumulate in fp32 (``torch._scaled_mm``; fast accumulation in the forward, as torchao configures it); the
+output is in x's dtype. ``emulate=True`` quantize-dequantizes with the same scales and runs fp32 matmuls (any device).
+
+Kernels (``emulate=False``, CUDA sm89+): ``torch._scaled_mm``; rowwise casts are torchao's single-pass Triton kernels
+(``triton_fp8_rowwise_2d_scale_and_cast`` for rows, ``triton_fp8_per_group_colwise_scales_dual`` with one group for
+the wgrad's two column-wise casts in one launch); tensorwise casts are an amax and one fused cast. Rows are zero-padded
+to a multiple of 16 where M is not one (the FP8 GEMM's alignment; zero rows change no amax).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_moe.lowp.fp8_grouped import EPS, fp8_scale, qdq_fp8
+
+__all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "fp8_linear", "fp8_rms_norm", "fp8_class",
+           "LINEAR_RECIPES", "saved_input_bytes"]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+LINEAR_RECIPES = ("rowwise", "tensorwise")
+ALIGN = 16
+Operand = tuple[Tensor, Optional[Tensor]]  # (FP8 data, fp32 dequantization scale(s)) or (dequantized fp32, None)
+
+
+class Fp8InputCache:
+    """The FP8 form of one activation read by ``consumers`` linears (q / k / v; MLA's wq_a and wkv_a; an MLP's w1 and
+    w3), or made by the RMSNorm that produced it: the first reader that finds no entry for its input quantizes it and
+    stores the result, the others take it. One entry, matched by identity (a weak reference: the cache never keeps an
+    activation alive) and ``_version``; it is dropped once every consumer has read it, so no FP8 copy outlives the
+    forward of its block. ``hits`` / ``misses`` count lookups (tests)."""
+
+    def __init__(self, consumers: int) -> None:
+        assert consumers >= 1
+        self.consumers = consumers
+        self._entry: Optional[tuple[Any, int, str, Operand]] = None
+        self._reads = 0
+        self.hits = self.misses = 0
+
+    def __repr__(self) -> str:
+        return f"Fp8InputCache(consumers={self.consumers}, hits={self.hits}, misses={self.misses})"
+
+    def put(self, x: Tensor, recipe: str, value: Operand) -> None:
+        """Store the FP8 form of ``x`` (by the norm that made it, or by the first reader)."""
+        if x.is_inference():  # no version counter
+            return
+        self._entry, self._reads = (weakref.ref(x), x._version, recipe, value), 0
+
+    def read(self, x: Tensor, recipe: str) -> Optional[Operand]:
+        """The stored FP8 form of ``x`` (counted as one consumer's read), or None."""
+        e = self._entry
+        if e is not None and e[0]() is x and e[1] == x._version and e[2] == recipe:
+            self.hits += 1
+            self._count_read()
+            return e[3]
+        self.misses += 1
+        return None
+
+    def stored_by_reader(self) -> None:
+        """The reader that missed stored what it quantized: that is its read."""
+        self._count_read()
+
+    def _count_read(self) -> None:
+        self._reads += 1
+        if self._reads >= self.consumers:
+            self._entry = None
+
+
+# ---- the pieces, emulated or on the kernels ---------------------------------------------------------------------
+
+
+def _pad_rows(x_MC: Tensor, M_pad: int) -> Tensor:
+    if x_MC.shape[0] == M_pad:
+        return x_MC
+    return torch.cat([x_MC, x_MC.new_zeros(M_pad - x_MC.shape[0], x_MC.shape[1])])
+
+
+def _tensor_scale(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """torchao's tensorwise scale: max / amax in float64, as fp32 (not rounded)."""
+    amax = x.detach().abs().amax().double()
+    return (torch.finfo(dtype).max / torch.clamp(amax, min=EPS)).float()
+
+
+def _cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    m = torch.finfo(dtype).max
+    return (x.detach().float() * scale).clamp(-m, m).to(dtype)
+
+
+def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+               fast_accum: bool = False) -> Tensor:
+    """``torch._scaled_mm`` with its CUDA layout contract checked everywhere (CPU runs the same calls in tests):
+    ``a`` row-major, ``b`` column-major, rowwise scales ``[M, 1]`` / ``[1, N]`` or one scalar each."""
+    assert a.is_contiguous() and b.t().is_contiguous(), "FP8 GEMM operands: a row-major, b column-major"
+    assert scale_a.numel() in (1, a.shape[0]) and scale_b.numel() in (1, b.shape[1])
+    return torch._scaled_mm(a, b, scale_a=scale_a.float().contiguous(), scale_b=scale_b.float().contiguous(),
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+class _Ops:
+    """One implementation of the linear's quantized operands and GEMMs; operands are :data:`Operand` pairs."""
+
+    def __init__(self, recipe: str, emulate: bool) -> None:
+        assert recipe in LINEAR_RECIPES
+        self.recipe, self.emulate = recipe, emulate
+
+    # -- rowwise ---------------------------------------------------------------------------------------------------
+    def _rows(self, x_MC: Tensor) -> Operand:
+        """Per-row e4m3 (amax over the columns)."""
+        if self.emulate:
+            return qdq_fp8(x_MC, fp8_scale(x_MC.detach().abs().float().amax(dim=-1, keepdim=True))), None
+        if not x_MC.is_cuda:  # the same values with PyTorch ops (CPU tests of the GEMM calls)
+            from lightning_moe.lowp.fp8_grouped import quantize_rowwise
+
+            q, s = quantize_rowwise(x_MC.contiguous())
+            return q, s[:, None]
+        from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_2d_scale_and_cast
+
+        q, scale = triton_fp8_rowwise_2d_scale_and_cast(x_MC.contiguous(), output_dtype=E4M3,
+                                                        round_scales_to_power_of_2=True)
+        return q, scale.reciprocal()  # [rows, 1]
+
+    @staticmethod
+    def _cols_dual(dy_MN: Tensor, x_MK: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Both wgrad operands per column (amax over M), column-major e4m3 data and [N] / [K] dequantization
+        scales: torchao's one-group dual kernel on CUDA, PyTorch ops (the same values) elsewhere."""
+        if dy_MN.is_cuda:
+            from torchao.prototype.moe_training.kernels import triton_fp8_per_group_colwise_scales_dual
+
+            offs = torch.tensor([dy_MN.shape[0]], device=dy_MN.device, dtype=torch.int32)
+            dq, ds, xq, xs = triton_fp8_per_group_colwise_scales_dual(dy_MN.contiguous(), x_MK.contiguous(), offs,
+                                                                      E4M3, round_scales_to_power_of_2=True)
+            return dq, ds.reciprocal(), xq, xs.reciprocal()
+        from lightning_moe.lowp.fp8_grouped import quantize_rowwise
+
+        dq, ds = quantize_rowwise(dy_MN.t().contiguous())
+        xq, xs = quantize_rowwise(x_MK.t().contiguous())
+        return dq.t(), ds, xq.t(), xs
+
+    # -- the operands ----------------------------------------------------------------------------------------------
+    def x_fwd(self, x_MK: Tensor) -> Operand:
+        with torch.no_grad():
+            if self.recipe == "rowwise":
+                return self._rows(x_MK)
+            scale = _tensor_scale(x_MK, E4M3)
+            if self.emulate:
+                return qdq_fp8(x_MK, scale, E4M3), None
+            return _cast(x_MK, scale, E4M3), scale.reciprocal()
+
+    def w_fwd(self, w_NK: Tensor) -> Operand:
+        """The forward's weight (and, tensorwise, the dgrad's too: one scale, any layout)."""
+        with torch.no_grad():
+            if self.recipe == "rowwise":
+                return self._rows(w_NK)  # per output row n, amax over K
+            scale = _tensor_scale(w_NK, E4M3)
+            if self.emulate:
+                return qdq_fp8(w_NK, scale, E4M3), None
+            return _cast(w_NK, scale, E4M3), scale.reciprocal()
+
+    def w_dgrad(self, w_NK: Tensor) -> Operand:
+        """Rowwise dgrad weight: per input column k (amax over N), as ``[K, N]`` rows."""
+        with torch.no_grad():
+            return self._rows(w_NK.t())
+
+    # -- the GEMMs ---------------------------------------------------------------------------------------------------
+    def forward(self, x: Operand, w: Operand, out_dtype: torch.dtype) -> Tensor:
+        if self.emulate:
+            return (x[0] @ w[0].t()).to(out_dtype)
+        scale_b = w[1].reshape(1, -1) if self.recipe == "rowwise" else w[1]
+        return _scaled_mm(x[0], w[0].t(), x[1], scale_b, out_dtype, fast_accum=True)
+
+    def dgrad(self, dy_MN: Tensor, w_NK: Tensor, w_op: Operand, out_dtype: torch.dtype) -> Tensor:
+        """``dx = dy @ w``; ``w_op``: :meth:`w_dgrad` (rowwise) or :meth:`w_fwd` (tensorwise)."""
+        if self.recipe == "rowwise":
+            dy = self._rows(dy_MN)
+            if self.emulate:
+                return (dy[0] @ w_op[0].t()).to(out_dtype)
+            return _scaled_mm(dy[0], w_op[0].t(), dy[1], w_op[1].reshape(1, -1), out_dtype)
+        scale = _tensor_scale(dy_MN, E5M2)
+        if self.emulate:
+            return (qdq_fp8(dy_MN, scale, E5M2) @ w_op[0]).to(out_dtype)
+        w_col = w_op[0].t().contiguous().t()  # [N, K] column-major: the GEMM's right operand
+        return _scaled_mm(_cast(dy_MN, scale, E5M2), w_col, scale.reciprocal(), w_op[1], out_dtype)
+
+    def wgrad(self, dy_MN: Tensor, x_saved: Any, out_dtype: torch.dtype) -> Tensor:
+        """``dw = dy.T @ x`` [N, K]; ``x_saved``: the bf16 x (rowwise) or the forward's FP8 x operand (tensorwise)."""
+        if self.recipe == "rowwise":
+            x_MK = x_saved
+            if self.emulate:
+                cols = lambda t: qdq_fp8(t, fp8_scale(t.detach().abs().float().amax(dim=0, keepdim=True)))
+                return (cols(dy_MN).t() @ cols(x_MK)).to(out_dtype)
+            dq, ds, xq, xs = self._cols_dual(dy_MN, x_MK)
+            return _scaled_mm(dq.t(), xq, ds.reshape(-1, 1), xs.reshape(1, -1), out_dtype)
+        scale = _tensor_scale(dy_MN, E5M2)
+        xq, xs = x_saved
+        if self.emulate:
+            return (qdq_fp8(dy_MN, scale, E5M2).t() @ xq).to(out_dtype)
+        a = _cast(dy_MN, scale, E5M2).t().contiguous()  # [N, M] row-major
+        return _scaled_mm(a, xq.t().contiguous().t(), scale.reciprocal(), xs, out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK: Tensor, w_NK: Tensor, x_op: Operand, ops: _Ops, cache: Any) -> Tensor:
+        w_op = _weight(cache, "fwd", w_NK, ops.w_fwd)
+        y = ops.forward(x_op, w_op, x_MK.dtype)
+        # rowwise: the wgrad quantizes x per column from its high-precision values; tensorwise: the FP8 x is its
+        # operand already (saved instead of x: half the bytes)
+        saved_x = (x_MK,) if ops.recipe == "rowwise" else tuple(t for t in x_op if t is not None)
+        ctx.save_for_backward(w_NK, *saved_x)
+        ctx.ops, ctx.cache, ctx.x_dtype = ops, cache, x_MK.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_MN: Tensor):
+        w_NK, *saved_x = ctx.saved_tensors
+        ops = ctx.ops
+        dy_MN = dy_MN.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            w_op = _weight(ctx.cache, "dgrad", w_NK, ops.w_dgrad) if ops.recipe == "rowwise" else \
+                _weight(ctx.cache, "fwd", w_NK, ops.w_fwd)
+            dx = ops.dgrad(dy_MN, w_NK, w_op, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            x_saved = saved_x[0] if ops.recipe == "rowwise" else (saved_x[0], saved_x[1] if len(saved_x) > 1 else None)
+            dw = ops.wgrad(dy_MN, x_saved, w_NK.dtype)
+        return dx, dw, None, None, None
+
+
+def _weight(cache: Any, layout: str, w: Tensor, make) -> Operand:
+    return make(w) if cache is None else cache.get("w", layout, w, make)
+
+
+def _fp8_linear_2d(x_MK: Tensor, w_NK: Tensor, x_op: Operand, ops: _Ops, cache: Any) -> Tensor:
+    M = x_MK.shape[0]
+    if ops.emulate or M % ALIGN == 0:
+        return _Fp8Linear.apply(x_MK, w_NK, x_op, ops, cache)
+    M_pad = -(-M // ALIGN) * ALIGN  # the FP8 GEMM's alignment (the wgrad contracts over M); zero rows
+    q = _pad_rows(x_op[0].view(torch.uint8), M_pad).view(x_op[0].dtype)
+    x_op = (q, _pad_rows(x_op[1], M_pad) if ops.recipe == "rowwise" else x_op[1])
+    return _Fp8Linear.apply(_pad_rows(x_MK, M_pad), w_NK, x_op, ops, cache)[:M]
+
+
+@torch.compiler.disable  # eager kernels and Python caches: the callback uses this module outside compiled regions
+def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_cache: Any = None,
+               input_cache: Optional[Fp8InputCache] = None) -> Tensor:
+    """``x @ w.T`` ([..., K] -> [..., N], x's dtype) in the FP8 ``recipe`` (``rowwise`` / ``tensorwise``; the module
+    docstring), gradients for x and w. ``weight_cache``: an :class:`~lightning_moe.lowp.fp8_fused.Fp8WeightCache`
+    (the weight's FP8 copies made once per optimizer step). ``input_cache``: an :class:`Fp8InputCache` shared with
+    the other linears (and the norm) reading the same x, so x is quantized once."""
+    if recipe not in LINEAR_RECIPES:
+        raise ValueError(f"fp8_linear(recipe={recipe!r}): one of {LINEAR_RECIPES}")
+    N, K = w_NK.shape
+    if K % ALIGN or N % ALIGN:
+        raise ValueError(f"fp8_linear: in / out features {K} / {N} must be multiples of {ALIGN} (FP8 GEMM alignment); "
+                         "keep this linear in high precision (keep_bf16)")
+    w = w_NK.to(x.dtype) if w_NK.dtype != x.dtype else w_NK
+    ops = _Ops(recipe, emulate)
+    x_MK = x.reshape(-1, K)
+    x_op = input_cache.read(x, recipe) if input_cache is not None else None
+    if x_op is None:
+        x_op = ops.x_fwd(x_MK)
+        if input_cache is not None:
+            input_cache.put(x, recipe, x_op)
+            input_cache.stored_by_reader()
+    return _fp8_linear_2d(x_MK, w, x_op, ops, weight_cache).reshape(*x.shape[:-1], N)
+
+
+# ---- RMSNorm that quantizes its output (the attention projections' FP8 input) -----------------------------------
+
+
+def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """The model's RMSNorm (:class:`~lightning_moe.models.transformer.RMSNorm`): fp32 math, x's dtype out."""
+    F = torch.nn.functional
+    if x.dtype == w.dtype:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+
+
+class _RMSNormQuant(torch.autograd.Function):
+    """y = rms_norm(x, w, eps) whose forward kernel also writes y's rowwise FP8 form (non-differentiable outputs);
+    the backward recomputes the norm through ``F.rms_norm``'s own autograd (one memory-bound pass over x)."""
+
+    @staticmethod
+    def forward(ctx, x_RD: Tensor, w_D: Tensor, eps: float, emulate: bool):
+        from lightning_moe.moe import kernels
+
+        q_dtype = torch.float32 if emulate else E4M3
+        if kernels.use_triton(x_RD):
+            y, q, s = kernels.rms_norm_quant_rowwise(x_RD, w_D, eps, q_dtype)
+        else:  # the PyTorch reference: the same values
+            from lightning_moe.lowp.fp8_grouped import quantize_rowwise
+
+            y = _rms_norm(x_RD, w_D, eps)
+            q, s = quantize_rowwise(y, q_dtype)
+        ctx.save_for_backward(x_RD, w_D)
+        ctx.eps = eps
+        ctx.mark_non_differentiable(q, s)
+        return y, q, s
+
+    @staticmethod
+    def backward(ctx, dy: Tensor, dq: Any, ds: Any):
+        x, w = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.enable_grad():
+            xl, wl = x.detach().requires_grad_(need_x), w.detach().requires_grad_(need_w)
+            y = _rms_norm(xl, wl, ctx.eps)
+            leaves = [t for t in (xl, wl) if t.requires_grad]
+            grads = iter(torch.autograd.grad(y, leaves, dy) if leaves else ())
+        return next(grads) if need_x else None, next(grads) if need_w else None, None, None
+
+
+@torch.compiler.disable
+def fp8_rms_norm(x: Tensor, weight: Tensor, eps: float, *, emulate: bool, input_cache: Fp8InputCache) -> Tensor:
+    """``F.rms_norm(x, weight, eps)`` (x's dtype) that stores y's rowwise FP8 form (torchao's rowwise numerics: the
+    values a rowwise :func:`fp8_linear` would make of y) in ``input_cache``, made by the norm's own kernel (Triton,
+    one row per program) so the projections after it quantize nothing. Emulation keeps the dequantized fp32 values."""
+    D = x.shape[-1]
+    y, q, s = _RMSNormQuant.apply(x.reshape(-1, D), weight, eps, emulate)
+    y = y.reshape(x.shape)
+    op: Operand = (q * s[:, None], None) if emulate else (q, s[:, None])
+    input_cache.put(y, "rowwise", op)
+    return y
+
+
+# ---- the modules the callback swaps in (class swap in place: same parameters and state-dict keys) --------------
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run :func:`fp8_linear` (set by ``LowPrecisionTraining``: ``lowp_recipe``,
+    ``lowp_emulate``, ``lowp_weight_cache``, ``lowp_input_cache``)."""
+
+    lowp_recipe: str = "rowwise"
+    lowp_emulate: bool = False
+    lowp_weight_cache: Any = None
+    lowp_input_cache: Optional[Fp8InputCache] = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = fp8_linear(x, self.weight, recipe=self.lowp_recipe, emulate=self.lowp_emulate,
+                       weight_cache=self.lowp_weight_cache, input_cache=self.lowp_input_cache)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.lowp_recipe}"
+
+
+class Fp8QuantRMSNorm(nn.Module):
+    """Mixin over the model's RMSNorm: its output's rowwise FP8 form is made by the norm kernel and left in
+    ``lowp_input_cache`` for the rowwise :class:`Fp8Linear` projections that read it."""
+
+    lowp_emulate: bool = False
+    lowp_input_cache: Optional[Fp8InputCache] = None
+
+    def _forward(self, x: Tensor) -> Tensor:
+        return fp8_rms_norm(x, self.weight, self.eps, emulate=self.lowp_emulate, input_cache=self.lowp_input_cache)
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def fp8_class(mixin: type, cls: type) -> type:
+    """``mixin``'s forward on top of ``cls`` (a subclass keeps its own init and attributes)."""
+    if issubclass(cls, mixin):
+        return cls
+    if mixin is Fp8Linear and cls is nn.Linear:
+        return Fp8Linear
+    if (mixin, cls) not in _CLASSES:
+        prefix = "Fp8Quant" if mixin is Fp8QuantRMSNorm else "Fp8"
+        _CLASSES[(mixin, cls)] = type(f"{prefix}{cls.__name__.lstrip('_')}", (mixin, cls), {})
+    return _CLASSES[(mixin, cls)]
+
+
+def saved_input_bytes(fn, *args) -> int:
+    """Bytes of the tensors autograd saves while running ``fn(*args)`` (tests, benches: the FP8 saved input)."""
+    total = [0]
+
+    def pack(t: Tensor) -> Tensor:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return total[0]
