@@ -15,6 +15,7 @@ SUITES: dict[str, str] = {
     "memory": "selective recomputation and activation offload: activation memory and step time",
     "low_precision": "FP8 / NVFP4 training: layer and step speed, convergence of every recipe",
     "fp8_crossover": "FP8 vs bf16 GEMM (quantization included) per shape and M: the crossover table recipe='auto' reads",
+    "fp8_linear": "eager dense FP8 linear: kernels vs emulation, speed vs bf16 and torchao's Float8Linear",
     "doc_mask": "document-masked attention vs full causal attention in a training step",
     "checkpoint": "checkpoint save / resume: save stall, load time, the resumed run continues (torchrun)",
     "kernels_check": "fused MoE kernels against the PyTorch reference: correctness and speed",

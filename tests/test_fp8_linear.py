@@ -210,3 +210,12 @@ def test_compiled_regions_keep_torchaos_linear_and_look_up_compiled_entries():
     why = {d.gemm.name: (d.gemm.mode, d.recipe) for d in cb.decisions}
     assert why["layers.0.attention.wq"] == ("compiled", None)
     assert why["layers.0.feed_forward.w1"] == ("eager", "fp8_rowwise")
+
+
+def test_gpu_check_suite_runs_on_cpu(capsys):
+    """bench/fp8_linear.py (the H200 check of these kernels) at toy sizes on the CPU kernel path: its checks pass."""
+    from bench import fp8_linear as suite
+
+    assert suite.main(["--device", "cpu", "--small"]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "qkv block" in out and out.count(" yes") == 10
