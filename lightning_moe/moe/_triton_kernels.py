@@ -152,14 +152,17 @@ def swiglu_probs_bwd_kernel(g_ptr, u_ptr, p_ptr, dh_ptr, dg_ptr, du_ptr, dp_ptr,
 def _e4m3_rne(y):
     """fp32 ``y`` (|y| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in fp32 arithmetic: exact, so
     storing it into an e4m3 tensor is a lossless cast (Triton's interpreter mis-rounds its own fp8 casts). Spacing
-    at y: 2^(floor(log2|y|) - 3), at least 2^-9 (the subnormal step)."""
-    e = (tl.abs(y).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    at y: 2^(floor(log2|y|) - 3), at least 2^-9 (the subnormal step). Rounded on |y| with y's sign bit put back, so
+    a negative value that rounds to zero is -0 (0x80), as PyTorch's cast makes it: the FP8 bytes match too."""
+    bits = y.to(tl.int32, bitcast=True)
+    a = tl.abs(y)
+    e = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     spacing = tl.maximum(e * 0.125, 0.001953125)
-    v = y / spacing
+    v = a / spacing
     r = tl.floor(v + 0.5)
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
     r = tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
-    return r * spacing
+    return ((r * spacing).to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
