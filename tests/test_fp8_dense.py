@@ -56,3 +56,52 @@ def test_swiglu_and_gather_quant_bytes_equal_pytorchs_cast():
     asg = torch.arange(6)
     q, _ = kernels.gather_quant_rowwise(x, asg, 1, asg, 6, torch.float32)
     assert torch.equal(_bytes(q), _bytes(quantize_rowwise(x, torch.float32)[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape", [(40, 48), (70, 130)])  # partial tiles of the 64 x 64 blocks
+def test_tensorwise_cast_is_torchaos_bytes_in_both_layouts(dtype, shape):
+    """The fused tensorwise cast (one read, row- and column-major outputs) gives torchao's tensorwise FP8 tensor:
+    its scale (max / amax, fp32, not rounded) and its bytes, -0 included; the dequantization scale is the fp32
+    reciprocal."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from lightning_moe.lowp import fp8_linear as fl
+
+    x = _rows_with_signed_zeros(*shape) * torch.logspace(-3, 1, shape[1])
+    for x_dtype in (torch.float32, torch.bfloat16):
+        xx = x.to(x_dtype)
+        ref = hp_tensor_to_float8_dynamic(xx, dtype, LinearMMConfig())
+        q, qt, sinv = fl.cast_tensorwise(xx, dtype, rows=True, cols=True)
+        assert q.is_contiguous() and qt.t().is_contiguous() and q.dtype == qt.dtype == dtype
+        assert torch.equal(sinv, ref._scale.reciprocal())
+        assert torch.equal(q.view(torch.uint8), ref._data.view(torch.uint8))
+        assert torch.equal(qt.view(torch.uint8), ref._data.view(torch.uint8))
+        assert ref._data.view(torch.uint8).eq(0x80).any()  # -0 is exercised
+        only_cols = fl.cast_tensorwise(xx, dtype, rows=False, cols=True)
+        assert only_cols[0] is None and torch.equal(only_cols[1].view(torch.uint8), qt.view(torch.uint8))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_kernel_path_through_the_triton_casts_equals_the_emulation(recipe):
+    """fp8_linear's kernel path with the Triton casts (interpreter; torch._scaled_mm on CPU) equals its emulation:
+    forward and both gradients (bf16 out), and the tensorwise backward casts dy once."""
+    from lightning_moe.lowp import fp8_linear as fl
+    from lightning_moe.lowp.fp8_fused import Fp8WeightCache
+
+    torch.manual_seed(1)
+    M, K, N = 40, 64, 48
+    x, w = torch.randn(M, K).bfloat16(), (torch.randn(N, K) * 0.1).bfloat16()
+    dy = torch.randn(M, N).bfloat16()
+    outs = []
+    for emulate in (False, True):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        cache = Fp8WeightCache()
+        y = fl.fp8_linear(xl, wl, recipe=recipe, emulate=emulate, weight_cache=cache)
+        y.backward(dy)
+        outs.append((y.detach(), xl.grad, wl.grad))
+        assert (cache.misses, cache.hits) == (2, 0)
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() <= 1e-2

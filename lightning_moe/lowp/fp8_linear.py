@@ -26,8 +26,10 @@ output is in x's dtype. ``emulate=True`` quantize-dequantizes with the same scal
 
 Kernels (``emulate=False``, CUDA sm89+): ``torch._scaled_mm``; rowwise casts are torchao's single-pass Triton kernels
 (``triton_fp8_rowwise_2d_scale_and_cast`` for rows, ``triton_fp8_per_group_colwise_scales_dual`` with one group for
-the wgrad's two column-wise casts in one launch); tensorwise casts are an amax and one fused cast. Rows are zero-padded
-to a multiple of 16 where M is not one (the FP8 GEMM's alignment; zero rows change no amax).
+the wgrad's two column-wise casts in one launch); a tensorwise cast is one amax reduction and one Triton pass
+(:func:`cast_tensorwise`) that writes the layouts its GEMMs want from one read: dy once for both gradients (row-major
+for the dgrad, column-major for the wgrad), the weight's dgrad operand column-major (cached once a step). Rows are
+zero-padded to a multiple of 16 where M is not one (the FP8 GEMM's alignment; zero rows change no amax).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from torch import Tensor, nn
 
 from lightning_moe.lowp.fp8_grouped import EPS, fp8_scale, qdq_fp8
 
-__all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "fp8_linear", "fp8_rms_norm", "fp8_class",
-           "LINEAR_RECIPES", "saved_input_bytes"]
+__all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "cast_tensorwise", "fp8_linear", "fp8_rms_norm",
+           "fp8_class", "LINEAR_RECIPES", "saved_input_bytes"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 LINEAR_RECIPES = ("rowwise", "tensorwise")
@@ -112,6 +114,44 @@ def _cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (x.detach().float() * scale).clamp(-m, m).to(dtype)
 
 
+def cast_tensorwise(x_MN: Tensor, dtype: torch.dtype, *, rows: bool = True,
+                    cols: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+    """torchao's tensorwise FP8 cast of ``x_MN`` ([M, N]; one scale, ``max / amax``, not rounded): (q row-major or
+    None, q column-major or None, the fp32 dequantization scale, a 0-dim tensor). With the Triton kernels
+    (:func:`lightning_moe.moe.kernels.use_triton`) one amax reduction and one pass that writes both layouts from one
+    read (``_fp8_dense_triton.tensorwise_cast_kernel``); else PyTorch ops, the same values."""
+    from lightning_moe.moe import kernels
+
+    x = x_MN.detach()
+    if not kernels.use_triton(x):
+        scale = _tensor_scale(x, dtype)
+        q = _cast(x, scale, dtype)
+        return q if rows else None, q.t().contiguous().t() if cols else None, scale.reciprocal()
+    from lightning_moe.lowp import _fp8_dense_triton as k
+
+    x = x.contiguous()
+    M, N = x.shape
+    amax = torch.linalg.vector_norm(x, float("inf"))  # max |x|, one reduction (exact in x's dtype)
+    q_dtype = dtype if x.is_cuda else torch.float32  # the interpreter stores the FP8 values as fp32 (exact)
+    q = torch.empty(M, N, device=x.device, dtype=q_dtype) if rows else None
+    qt = torch.empty(N, M, device=x.device, dtype=q_dtype) if cols else None
+    sinv = torch.empty((), device=x.device, dtype=torch.float32)
+    if x.numel():
+        mbits = 3 if dtype == E4M3 else 2
+        min_step = 2.0 ** (-9 if dtype == E4M3 else -16)  # the subnormal step
+        block_m, block_n = 64, 64
+        k.tensorwise_cast_kernel[(-(-M // block_m), -(-N // block_n))](
+            x, amax, q if rows else sinv, qt if cols else sinv, sinv, M, N, FP8_MAX=torch.finfo(dtype).max,
+            STEP=2.0 ** -mbits, MIN_STEP=min_step, ROWS=rows, COLS=cols, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=4)
+    else:
+        sinv.copy_(_tensor_scale(x, dtype).reciprocal())
+    if q_dtype != dtype:
+        q = q.to(dtype) if rows else None
+        qt = qt.to(dtype) if cols else None
+    return q, qt.t() if cols else None, sinv
+
+
 def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
                fast_accum: bool = False) -> Tensor:
     """``torch._scaled_mm`` with its CUDA layout contract checked everywhere (CPU runs the same calls in tests):
@@ -167,25 +207,40 @@ class _Ops:
         with torch.no_grad():
             if self.recipe == "rowwise":
                 return self._rows(x_MK)
-            scale = _tensor_scale(x_MK, E4M3)
             if self.emulate:
-                return qdq_fp8(x_MK, scale, E4M3), None
-            return _cast(x_MK, scale, E4M3), scale.reciprocal()
+                return qdq_fp8(x_MK, _tensor_scale(x_MK, E4M3), E4M3), None
+            q, _, sinv = cast_tensorwise(x_MK, E4M3)
+            return q, sinv
 
     def w_fwd(self, w_NK: Tensor) -> Operand:
         """The forward's weight (and, tensorwise, the dgrad's too: one scale, any layout)."""
         with torch.no_grad():
             if self.recipe == "rowwise":
                 return self._rows(w_NK)  # per output row n, amax over K
-            scale = _tensor_scale(w_NK, E4M3)
             if self.emulate:
-                return qdq_fp8(w_NK, scale, E4M3), None
-            return _cast(w_NK, scale, E4M3), scale.reciprocal()
+                return qdq_fp8(w_NK, _tensor_scale(w_NK, E4M3), E4M3), None
+            q, _, sinv = cast_tensorwise(w_NK, E4M3)
+            return q, sinv
 
     def w_dgrad(self, w_NK: Tensor) -> Operand:
-        """Rowwise dgrad weight: per input column k (amax over N), as ``[K, N]`` rows."""
+        """The dgrad's weight: rowwise per input column k (amax over N), as ``[K, N]`` rows; tensorwise the forward's
+        values, as the GEMM's right operand ``[N, K]`` column-major (made once per step with a weight cache)."""
         with torch.no_grad():
-            return self._rows(w_NK.t())
+            if self.recipe == "rowwise":
+                return self._rows(w_NK.t())
+            if self.emulate:
+                return self.w_fwd(w_NK)
+            _, qt, sinv = cast_tensorwise(w_NK, E4M3, rows=False, cols=True)
+            return qt, sinv
+
+    def dy_tensorwise(self, dy_MN: Tensor, rows: bool, cols: bool) -> tuple[Optional[Tensor], Optional[Tensor], Any]:
+        """Tensorwise dy (e5m2, one scale), cast once for both GEMMs: row-major for the dgrad, column-major for the
+        wgrad (emulation: the dequantized fp32 values for both, scale None)."""
+        with torch.no_grad():
+            if self.emulate:
+                d = qdq_fp8(dy_MN, _tensor_scale(dy_MN, E5M2), E5M2)
+                return d, d, None
+            return cast_tensorwise(dy_MN, E5M2, rows=rows, cols=cols)
 
     # -- the GEMMs ---------------------------------------------------------------------------------------------------
     def forward(self, x: Operand, w: Operand, out_dtype: torch.dtype) -> Tensor:
@@ -194,34 +249,34 @@ class _Ops:
         scale_b = w[1].reshape(1, -1) if self.recipe == "rowwise" else w[1]
         return _scaled_mm(x[0], w[0].t(), x[1], scale_b, out_dtype, fast_accum=True)
 
-    def dgrad(self, dy_MN: Tensor, w_NK: Tensor, w_op: Operand, out_dtype: torch.dtype) -> Tensor:
-        """``dx = dy @ w``; ``w_op``: :meth:`w_dgrad` (rowwise) or :meth:`w_fwd` (tensorwise)."""
+    def dgrad(self, dy: Any, w_op: Operand, out_dtype: torch.dtype) -> Tensor:
+        """``dx = dy @ w``; ``w_op``: :meth:`w_dgrad`; ``dy``: the bf16 dy (rowwise) or :meth:`dy_tensorwise`."""
         if self.recipe == "rowwise":
-            dy = self._rows(dy_MN)
+            dy = self._rows(dy)
             if self.emulate:
                 return (dy[0] @ w_op[0].t()).to(out_dtype)
             return _scaled_mm(dy[0], w_op[0].t(), dy[1], w_op[1].reshape(1, -1), out_dtype)
-        scale = _tensor_scale(dy_MN, E5M2)
+        d_row, _, d_sinv = dy
         if self.emulate:
-            return (qdq_fp8(dy_MN, scale, E5M2) @ w_op[0]).to(out_dtype)
-        w_col = w_op[0].t().contiguous().t()  # [N, K] column-major: the GEMM's right operand
-        return _scaled_mm(_cast(dy_MN, scale, E5M2), w_col, scale.reciprocal(), w_op[1], out_dtype)
+            return (d_row @ w_op[0]).to(out_dtype)
+        return _scaled_mm(d_row, w_op[0], d_sinv, w_op[1], out_dtype)  # w_op: [N, K] column-major
 
-    def wgrad(self, dy_MN: Tensor, x_saved: Any, out_dtype: torch.dtype) -> Tensor:
-        """``dw = dy.T @ x`` [N, K]; ``x_saved``: the bf16 x (rowwise) or the forward's FP8 x operand (tensorwise)."""
+    def wgrad(self, dy: Any, x_saved: Any, out_dtype: torch.dtype) -> Tensor:
+        """``dw = dy.T @ x`` [N, K]; ``x_saved``: the bf16 x (rowwise) or the forward's FP8 x operand (tensorwise);
+        ``dy``: the bf16 dy (rowwise) or :meth:`dy_tensorwise`."""
         if self.recipe == "rowwise":
-            x_MK = x_saved
+            dy_MN, x_MK = dy, x_saved
             if self.emulate:
                 cols = lambda t: qdq_fp8(t, fp8_scale(t.detach().abs().float().amax(dim=0, keepdim=True)))
                 return (cols(dy_MN).t() @ cols(x_MK)).to(out_dtype)
             dq, ds, xq, xs = self._cols_dual(dy_MN, x_MK)
             return _scaled_mm(dq.t(), xq, ds.reshape(-1, 1), xs.reshape(1, -1), out_dtype)
-        scale = _tensor_scale(dy_MN, E5M2)
+        _, d_col, d_sinv = dy
         xq, xs = x_saved
         if self.emulate:
-            return (qdq_fp8(dy_MN, scale, E5M2).t() @ xq).to(out_dtype)
-        a = _cast(dy_MN, scale, E5M2).t().contiguous()  # [N, M] row-major
-        return _scaled_mm(a, xq.t().contiguous().t(), scale.reciprocal(), xs, out_dtype)
+            return (d_col.t() @ xq).to(out_dtype)
+        # dy.T [N, M] row-major (dy's column-major copy); x [M, K] column-major (a transposed copy of the FP8 x)
+        return _scaled_mm(d_col.t(), xq.t().contiguous().t(), d_sinv, xs, out_dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -240,15 +295,16 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy_MN: Tensor):
         w_NK, *saved_x = ctx.saved_tensors
         ops = ctx.ops
-        dy_MN = dy_MN.contiguous()
+        dy = dy_MN.contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ops.recipe == "tensorwise":  # one cast of dy (one scale) for both GEMMs, in the layout each wants
+            dy = ops.dy_tensorwise(dy, rows=need_dx, cols=need_dw)
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            w_op = _weight(ctx.cache, "dgrad", w_NK, ops.w_dgrad) if ops.recipe == "rowwise" else \
-                _weight(ctx.cache, "fwd", w_NK, ops.w_fwd)
-            dx = ops.dgrad(dy_MN, w_NK, w_op, ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
+        if need_dx:
+            dx = ops.dgrad(dy, _weight(ctx.cache, "dgrad", w_NK, ops.w_dgrad), ctx.x_dtype)
+        if need_dw:
             x_saved = saved_x[0] if ops.recipe == "rowwise" else (saved_x[0], saved_x[1] if len(saved_x) > 1 else None)
-            dw = ops.wgrad(dy_MN, x_saved, w_NK.dtype)
+            dw = ops.wgrad(dy, x_saved, w_NK.dtype)
         return dx, dw, None, None, None
 
 

@@ -1,0 +1,57 @@
+"""Triton kernels of the eager dense FP8 linear (:mod:`lightning_moe.lowp.fp8_linear`; imported lazily by it: this
+module imports triton). The rowwise recipe's casts are torchao's kernels and the RMSNorm's is in
+:mod:`lightning_moe.moe._triton_kernels`; here is the tensorwise recipe's cast.
+
+:func:`tensorwise_cast_kernel`: one pass over a 2-D tensor ``x`` [M, N] given its amax (a device scalar: no host
+sync), writing its FP8 form row-major (``ROWS``), column-major (``COLS``, the transposed layout the FP8 GEMM wants for
+the other operand), or both from one read, plus the dequantization scale. Numerics are torchao 0.18's tensorwise
+cast (``tensor_to_scale`` + ``hp_tensor_and_scale_to_float8``): scale = fp8_max / max(amax, 1e-12) in float64, stored
+as fp32 (not rounded to a power of two); q = fp8(clamp(x * scale, +-fp8_max)) rounded to nearest, ties to even;
+the dequantization scale is the fp32 reciprocal of the scale (computed in float64, so correctly rounded). The
+rounding is explicit fp32 arithmetic (exact; the sign bit kept, so -0 stays -0): Triton's interpreter mis-rounds its
+own fp8 casts, and under it the FP8 values are stored as fp32 (it cannot store fp8).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp8_rne(y, STEP: tl.constexpr, MIN_STEP: tl.constexpr):
+    """fp32 ``y`` (already clamped to the format's range) rounded to the nearest FP8 value, ties to even: spacing
+    ``2^floor(log2|y|) * STEP`` (STEP = 2^-mantissa_bits), at least MIN_STEP (the subnormal step); y's sign bit is
+    put back on the rounded |y|."""
+    bits = y.to(tl.int32, bitcast=True)
+    a = tl.abs(y)
+    e = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    spacing = tl.maximum(e * STEP, MIN_STEP)
+    v = a / spacing
+    r = tl.floor(v + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
+    return ((r * spacing).to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tensorwise_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, sinv_ptr, M, N, FP8_MAX: tl.constexpr,
+                           STEP: tl.constexpr, MIN_STEP: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """x [M, N] row-major -> q [M, N] row-major (ROWS) and / or qt [M, N] column-major, i.e. [N, M] row-major (COLS);
+    sinv[0] = 1 / scale. Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    amax = tl.load(amax_ptr).to(tl.float32).to(tl.float64)
+    scale = (FP8_MAX / tl.maximum(amax, 1e-12)).to(tl.float32)
+    m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (m[:, None] < M) & (n[None, :] < N)
+    x = tl.load(x_ptr + m[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = _fp8_rne(tl.minimum(tl.maximum(x * scale, -FP8_MAX), FP8_MAX), STEP, MIN_STEP)
+    if ROWS:
+        tl.store(q_ptr + m[:, None] * N + n[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    if COLS:
+        tl.store(qt_ptr + n[:, None] * M + m[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty),
+                 mask=tl.trans(mask))
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(sinv_ptr, (1.0 / scale.to(tl.float64)).to(tl.float32))
