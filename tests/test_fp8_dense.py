@@ -105,3 +105,30 @@ def test_kernel_path_through_the_triton_casts_equals_the_emulation(recipe):
     for a, b in zip(*outs):
         assert a.dtype == b.dtype == torch.bfloat16
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("shape", [(40, 48), (300, 130)])  # partial tiles; M over one amax program's 256 rows
+def test_colwise_cast_is_torchaos_rowwise_wgrad_operand(shape):
+    """The rowwise weight gradient's column-wise cast: the bytes and (reciprocal) scales of torchao's axiswise cast
+    along dim 0 with power-of-two scales, column-major."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from lightning_moe.lowp import fp8_linear as fl
+
+    x = _rows_with_signed_zeros(*shape) * torch.logspace(-3, 1, shape[1])
+    x[:, 7] = 0.0  # an all-zero column (amax clamped at 1e-12)
+    for x_dtype in (torch.float32, torch.bfloat16):
+        xx = x.to(x_dtype)
+        ref = hp_tensor_to_float8_dynamic(xx, E4M3, LinearMMConfig(), scaling_granularity=_axiswise(), axiswise_dim=0,
+                                          round_scales_to_power_of_2=True)
+        q, sinv = fl.cast_colwise(xx)
+        assert q.shape == xx.shape and q.t().is_contiguous() and q.dtype == E4M3
+        assert torch.equal(q.view(torch.uint8), ref._data.view(torch.uint8))
+        assert torch.equal(sinv, ref._scale.reciprocal().flatten())
+
+
+def _axiswise():
+    from torchao.float8.config import ScalingGranularity
+
+    return ScalingGranularity.AXISWISE

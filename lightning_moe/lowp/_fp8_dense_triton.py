@@ -55,3 +55,45 @@ def tensorwise_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, sinv_ptr, M, N, FP8_M
                  mask=tl.trans(mask))
     if (pid_m == 0) & (pid_n == 0):
         tl.store(sinv_ptr, (1.0 / scale.to(tl.float64)).to(tl.float32))
+
+
+# ---- rowwise recipe: the weight gradient's column-wise casts ----------------------------------------------------
+# torchao's ``triton_fp8_per_group_colwise_scales_dual`` with one group runs one program per block of columns over
+# all M rows (a few dozen programs for an H200's 132 SMs): the two kernels below split M too, so every shape fills
+# the GPU: a column amax (atomic max of fp32 bits, which order as integers for values >= 0) and a tiled cast.
+
+
+@triton.jit
+def colwise_amax_kernel(x_ptr, amax_ptr, M, C, ROWS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    """amax_bits[c] = max(amax_bits[c], bits(max |x[m, c]|)) over this program's ROWS_PER_PROGRAM rows of x [M, C]
+    row-major; amax_ptr: int32 view of a zeroed fp32 [C]. Grid (cdiv(M, ROWS_PER_PROGRAM), cdiv(C, BLOCK_C))."""
+    pid_m, pid_c = tl.program_id(0), tl.program_id(1)
+    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    cmask = c < C
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for m0 in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+        m = (pid_m * ROWS_PER_PROGRAM + m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (m[:, None] < M) & cmask[None, :]
+        x = tl.load(x_ptr + m[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.max(tl.abs(x), axis=0))
+    tl.atomic_max(amax_ptr + c, acc.to(tl.int32, bitcast=True), mask=cmask)
+
+
+@triton.jit
+def colwise_cast_kernel(x_ptr, amax_ptr, qt_ptr, sinv_ptr, M, C, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """x [M, C] row-major -> qt [C, M] row-major (x's e4m3 form column-major), scaled per column c by torchao's
+    rowwise-recipe scale of column c: 448 / max(amax[c], 1e-12) rounded down to a power of two (the exponent bits of
+    the fp32 quotient); sinv[c] = 1 / scale (exact: a power of two). Grid (cdiv(M, BLOCK_M), cdiv(C, BLOCK_C))."""
+    pid_m, pid_c = tl.program_id(0), tl.program_id(1)
+    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cmask = c < C
+    amax = tl.maximum(tl.load(amax_ptr + c, mask=cmask, other=1.0), 1e-12)
+    scale = ((448.0 / amax).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    mask = (m[:, None] < M) & cmask[None, :]
+    x = tl.load(x_ptr + m[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = _fp8_rne(tl.minimum(tl.maximum(x * scale[None, :], -448.0), 448.0), 0.125, 0.001953125)
+    tl.store(qt_ptr + c[:, None] * M + m[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
+    if pid_m == 0:
+        tl.store(sinv_ptr + c, 1.0 / scale, mask=cmask)

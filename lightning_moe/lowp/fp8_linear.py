@@ -25,8 +25,9 @@ Products accumulate in fp32 (``torch._scaled_mm``; fast accumulation in the forw
 output is in x's dtype. ``emulate=True`` quantize-dequantizes with the same scales and runs fp32 matmuls (any device).
 
 Kernels (``emulate=False``, CUDA sm89+): ``torch._scaled_mm``; rowwise casts are torchao's single-pass Triton kernels
-(``triton_fp8_rowwise_2d_scale_and_cast`` for rows, ``triton_fp8_per_group_colwise_scales_dual`` with one group for
-the wgrad's two column-wise casts in one launch); a tensorwise cast is one amax reduction and one Triton pass
+(``triton_fp8_rowwise_2d_scale_and_cast``) for rows; the wgrad's column-wise casts are ours (:func:`cast_colwise`, a
+column amax and a tiled cast: torchao's one-group ``triton_fp8_per_group_colwise_scales_dual`` runs one program per
+block of columns over all M rows, too few programs to fill the GPU); a tensorwise cast is one amax reduction and one Triton pass
 (:func:`cast_tensorwise`) that writes the layouts its GEMMs want from one read: dy once for both gradients (row-major
 for the dgrad, column-major for the wgrad), the weight's dgrad operand column-major (cached once a step). Rows are
 zero-padded to a multiple of 16 where M is not one (the FP8 GEMM's alignment; zero rows change no amax).
@@ -42,8 +43,8 @@ from torch import Tensor, nn
 
 from lightning_moe.lowp.fp8_grouped import EPS, fp8_scale, qdq_fp8
 
-__all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "cast_tensorwise", "fp8_linear", "fp8_rms_norm",
-           "fp8_class", "LINEAR_RECIPES", "saved_input_bytes"]
+__all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "cast_colwise", "cast_tensorwise", "fp8_linear",
+           "fp8_rms_norm", "fp8_class", "LINEAR_RECIPES", "saved_input_bytes"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 LINEAR_RECIPES = ("rowwise", "tensorwise")
@@ -162,6 +163,30 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
+def cast_colwise(x_MC: Tensor) -> tuple[Tensor, Tensor]:
+    """x's e4m3 form scaled per column (amax over M; torchao's rowwise-recipe scale, a power of two) as an [M, C]
+    column-major tensor, and the columns' fp32 dequantization scales [C]: the rowwise weight gradient's operands. Two
+    Triton kernels (a column amax split over M, a tiled cast writing the transposed layout), each filling the GPU at
+    any shape (``_fp8_dense_triton``). Needs :func:`lightning_moe.moe.kernels.use_triton`."""
+    from lightning_moe.lowp import _fp8_dense_triton as k
+
+    x = x_MC.detach().contiguous()
+    M, C = x.shape
+    q_dtype = E4M3 if x.is_cuda else torch.float32  # the interpreter stores the FP8 values as fp32 (exact)
+    amax = torch.zeros(C, device=x.device, dtype=torch.float32)
+    qt = torch.empty(C, M, device=x.device, dtype=q_dtype)
+    sinv = torch.empty(C, device=x.device, dtype=torch.float32)
+    if x.numel():
+        rows, block_m, block_c = 256, 32, 128
+        k.colwise_amax_kernel[(-(-M // rows), -(-C // block_c))](x, amax.view(torch.int32), M, C, ROWS_PER_PROGRAM=rows,
+                                                                BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+        k.colwise_cast_kernel[(-(-M // 64), -(-C // 64))](x, amax, qt, sinv, M, C, BLOCK_M=64, BLOCK_C=64,
+                                                          num_warps=4)
+    else:
+        sinv.copy_(fp8_scale(amax).reciprocal())
+    return (qt if q_dtype == E4M3 else qt.to(E4M3)).t(), sinv
+
+
 class _Ops:
     """One implementation of the linear's quantized operands and GEMMs; operands are :data:`Operand` pairs."""
 
@@ -188,14 +213,11 @@ class _Ops:
     @staticmethod
     def _cols_dual(dy_MN: Tensor, x_MK: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Both wgrad operands per column (amax over M), column-major e4m3 data and [N] / [K] dequantization
-        scales: torchao's one-group dual kernel on CUDA, PyTorch ops (the same values) elsewhere."""
-        if dy_MN.is_cuda:
-            from torchao.prototype.moe_training.kernels import triton_fp8_per_group_colwise_scales_dual
+        scales: :func:`cast_colwise` with the Triton kernels, PyTorch ops (the same values) elsewhere."""
+        from lightning_moe.moe import kernels
 
-            offs = torch.tensor([dy_MN.shape[0]], device=dy_MN.device, dtype=torch.int32)
-            dq, ds, xq, xs = triton_fp8_per_group_colwise_scales_dual(dy_MN.contiguous(), x_MK.contiguous(), offs,
-                                                                      E4M3, round_scales_to_power_of_2=True)
-            return dq, ds.reciprocal(), xq, xs.reciprocal()
+        if kernels.use_triton(dy_MN):
+            return (*cast_colwise(dy_MN), *cast_colwise(x_MK))
         from lightning_moe.lowp.fp8_grouped import quantize_rowwise
 
         dq, ds = quantize_rowwise(dy_MN.t().contiguous())
