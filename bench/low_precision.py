@@ -286,8 +286,8 @@ def profile_lines(res: dict[str, Any]) -> str:
 
 
 # kernel name fragments -> category, first match wins (CUDA kernel names of torch 2.11 / torchao 0.18 / ours)
-KERNEL_CATEGORIES = (("fp8 GEMM", ("f8", "fp8", "e4m3", "scaled_mm", "scaled_grouped")),
-                     ("quantize", ("quant", "scale_and_cast", "colwise", "rowwise", "amax", "to_fp8")),
+KERNEL_CATEGORIES = (("quantize", ("quant", "scale_and_cast", "colwise", "rowwise", "amax", "to_fp8", "cast_")),
+                     ("fp8 GEMM", ("f8", "fp8", "e4m3", "scaled_mm", "scaled_grouped")),
                      ("bf16 GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "grouped_mm", "matmul")),
                      ("copy / pad", ("copy", "index", "fill", "zero", "cat", "gather", "scatter", "pad")))
 
