@@ -140,10 +140,11 @@ def _emulate(recipe: str, args: argparse.Namespace) -> bool:
 
 
 def _callback(recipe: str, args: argparse.Namespace, tokens: Optional[int] = None) -> LowPrecisionTraining:
+    fused = {"fused_dense": args.dense_impl == "fused"}
     if recipe == AUTO:  # tokens: the layer's; a train step's come from its datamodule
         return LowPrecisionTraining(AUTO, emulate=_emulate(recipe, args), tokens_per_microbatch=tokens,
-                                    table=args.table)
-    return LowPrecisionTraining(recipe, emulate=_emulate(recipe, args))
+                                    table=args.table, **fused)
+    return LowPrecisionTraining(recipe, emulate=_emulate(recipe, args), **fused)
 
 
 def _median_of_repeats(reps: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -662,6 +663,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "is reported (and every repeat's value)")
     p.add_argument("--table", default=None, help="crossover table for the auto recipe (default: the one shipped "
                    "for this GPU, lightning_moe/lowp/crossover/<arch>.json)")
+    p.add_argument("--dense-impl", choices=["fused", "torchao"], default="fused", help="FP8 dense linears outside "
+                   "compiled regions: our eager FP8 linear (the default) or torchao's Float8Linear")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed of every run (the data order is the "
                    "data module's own seed); another seed's baseline gauges the run-to-run spread")
     p.add_argument("--out", default="bench/results/low_precision.json")
