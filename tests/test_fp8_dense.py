@@ -67,7 +67,7 @@ def test_tensorwise_cast_is_torchaos_bytes_in_both_layouts(dtype, shape):
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import LinearMMConfig
 
-    from lightning_moe.lowp import fp8_linear as fl
+    from lightning_moe.lowp import fp8_casts as fl
 
     x = _rows_with_signed_zeros(*shape) * torch.logspace(-3, 1, shape[1])
     for x_dtype in (torch.float32, torch.bfloat16):
@@ -114,7 +114,7 @@ def test_colwise_cast_is_torchaos_rowwise_wgrad_operand(shape):
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import LinearMMConfig
 
-    from lightning_moe.lowp import fp8_linear as fl
+    from lightning_moe.lowp import fp8_casts as fl
 
     x = _rows_with_signed_zeros(*shape) * torch.logspace(-3, 1, shape[1])
     x[:, 7] = 0.0  # an all-zero column (amax clamped at 1e-12)
@@ -132,3 +132,27 @@ def _axiswise():
     from torchao.float8.config import ScalingGranularity
 
     return ScalingGranularity.AXISWISE
+
+
+@pytest.mark.parametrize("shape", [(40, 48), (13, 1100)])  # several rows per program; a row over one 1024 block
+def test_rowwise_cast_is_torchaos_and_transpose_moves_bytes(shape):
+    """The row-wise cast (forward x and w, dgrad dy): torchao's axiswise dim -1 power-of-two cast, bytes and
+    (reciprocal) scales; the FP8 byte transpose is ``q.t().contiguous()``."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from lightning_moe.lowp import fp8_casts as fl
+
+    x = _rows_with_signed_zeros(*shape) * torch.logspace(-3, 1, shape[0])[:, None]
+    x[1] = 0.0  # an all-zero row
+    for x_dtype in (torch.float32, torch.bfloat16):
+        xx = x.to(x_dtype)
+        ref = hp_tensor_to_float8_dynamic(xx, E4M3, LinearMMConfig(), scaling_granularity=_axiswise(),
+                                          axiswise_dim=-1, round_scales_to_power_of_2=True)
+        q, sinv = fl.cast_rowwise(xx)
+        assert q.is_contiguous() and q.dtype == E4M3
+        assert torch.equal(q.view(torch.uint8), ref._data.view(torch.uint8))
+        assert torch.equal(sinv, ref._scale.reciprocal().flatten())
+        t = fl.transpose_fp8(q)
+        assert t.is_contiguous() and t.dtype == E4M3 and torch.equal(t.view(torch.uint8), q.t().contiguous().view(
+            torch.uint8))

@@ -1,6 +1,6 @@
 """Triton kernels of the eager dense FP8 linear (:mod:`lightning_moe.lowp.fp8_linear`; imported lazily by it: this
-module imports triton). The rowwise recipe's casts are torchao's kernels and the RMSNorm's is in
-:mod:`lightning_moe.moe._triton_kernels`; here is the tensorwise recipe's cast.
+module imports triton): the tensorwise and rowwise casts, a byte transpose; the RMSNorm that quantizes its output is
+in :mod:`lightning_moe.moe._triton_kernels`.
 
 :func:`tensorwise_cast_kernel`: one pass over a 2-D tensor ``x`` [M, N] given its amax (a device scalar: no host
 sync), writing its FP8 form row-major (``ROWS``), column-major (``COLS``, the transposed layout the FP8 GEMM wants for
@@ -27,7 +27,8 @@ def _fp8_rne(y, STEP: tl.constexpr, MIN_STEP: tl.constexpr):
     a = tl.abs(y)
     e = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     spacing = tl.maximum(e * STEP, MIN_STEP)
-    v = a / spacing
+    # a / spacing as a product with 1 / spacing, exact (a power of two: its exponent bits mirrored about 127)
+    v = a * (2130706432 - spacing.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
     r = tl.floor(v + 0.5)
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
     r = tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
@@ -55,6 +56,44 @@ def tensorwise_cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, sinv_ptr, M, N, FP8_M
                  mask=tl.trans(mask))
     if (pid_m == 0) & (pid_n == 0):
         tl.store(sinv_ptr, (1.0 / scale.to(tl.float64)).to(tl.float32))
+
+
+# ---- rowwise recipe: row-wise casts (forward x and w, dgrad dy) ----------------------------------------------------
+
+
+@triton.jit
+def rowwise_cast_kernel(x_ptr, q_ptr, sinv_ptr, M, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """x [M, C] row-major -> q [M, C] e4m3 row-major, row r scaled by torchao's rowwise-recipe scale 448 /
+    max(amax_r, 1e-12) rounded down to a power of two; sinv[r] = 1 / scale. BLOCK_R rows per program, two passes
+    over them (amax; cast, the second read from L2). Grid (cdiv(M, BLOCK_R),)."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = r < M
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (c[None, :] < C)
+        acc = tl.maximum(acc, tl.abs(tl.load(x_ptr + r[:, None] * C + c[None, :], mask=mask, other=0.0)
+                                     .to(tl.float32)))
+    amax = tl.maximum(tl.max(acc, axis=1), 1e-12)
+    scale = ((448.0 / amax).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (c[None, :] < C)
+        x = tl.load(x_ptr + r[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _fp8_rne(tl.minimum(tl.maximum(x * scale[:, None], -448.0), 448.0), 0.125, 0.001953125)
+        tl.store(q_ptr + r[:, None] * C + c[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(sinv_ptr + r, 1.0 / scale, mask=rmask)
+
+
+@triton.jit
+def transpose_kernel(x_ptr, y_ptr, M, C, BLOCK: tl.constexpr):
+    """y [C, M] = x [M, C].T, both row-major (1-byte elements: FP8 data viewed as uint8). Grid (cdiv(M, BLOCK),
+    cdiv(C, BLOCK))."""
+    m = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = (m[:, None] < M) & (c[None, :] < C)
+    x = tl.load(x_ptr + m[:, None] * C + c[None, :], mask=mask, other=0)
+    tl.store(y_ptr + c[:, None] * M + m[None, :], tl.trans(x), mask=tl.trans(mask))
 
 
 # ---- rowwise recipe: the weight gradient's column-wise casts ----------------------------------------------------

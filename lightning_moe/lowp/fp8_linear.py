@@ -24,13 +24,16 @@ with, ``emulate=True`` on both sides):
 Products accumulate in fp32 (``torch._scaled_mm``; fast accumulation in the forward, as torchao configures it); the
 output is in x's dtype. ``emulate=True`` quantize-dequantizes with the same scales and runs fp32 matmuls (any device).
 
-Kernels (``emulate=False``, CUDA sm89+): ``torch._scaled_mm``; rowwise casts are torchao's single-pass Triton kernels
-(``triton_fp8_rowwise_2d_scale_and_cast``) for rows; the wgrad's column-wise casts are ours (:func:`cast_colwise`, a
-column amax and a tiled cast: torchao's one-group ``triton_fp8_per_group_colwise_scales_dual`` runs one program per
-block of columns over all M rows, too few programs to fill the GPU); a tensorwise cast is one amax reduction and one Triton pass
-(:func:`cast_tensorwise`) that writes the layouts its GEMMs want from one read: dy once for both gradients (row-major
-for the dgrad, column-major for the wgrad), the weight's dgrad operand column-major (cached once a step). Rows are
-zero-padded to a multiple of 16 where M is not one (the FP8 GEMM's alignment; zero rows change no amax).
+Kernels (``emulate=False``, CUDA sm89+): ``torch._scaled_mm``, and every cast one of our Triton passes
+(:mod:`lightning_moe.lowp.fp8_casts`): rowwise rows in one kernel (``cast_rowwise``: x, w, dy), columns in two
+(``cast_colwise``, a column amax split over M and a tiled cast: the wgrad's dy and x, the dgrad's w); a tensorwise cast
+is one amax reduction and one pass (``cast_tensorwise``) writing the layouts its GEMMs want from one read: dy once for
+both gradients (row-major for the dgrad, column-major for the wgrad), the weight's dgrad operand column-major (cached
+once a step). torchao's kernels were slower here: its ``triton_fp8_rowwise_2d_scale_and_cast`` took ~150 us of GPU and
+~500 us of CPU (custom-op and autotune dispatch) per call at 16384 x 2048-4096 on an H200; its one-group
+``triton_fp8_per_group_colwise_scales_dual`` runs one program per block of columns over all M rows (too few programs
+to fill the GPU). Rows are zero-padded to a multiple of 16 where M is not one (the FP8 GEMM's alignment; zero rows
+change no amax).
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_moe.lowp.fp8_grouped import EPS, fp8_scale, qdq_fp8
+from lightning_moe.lowp.fp8_casts import (E4M3, E5M2, _tensor_scale, cast_colwise, cast_rowwise, cast_tensorwise,
+                                          transpose_fp8)
+from lightning_moe.lowp.fp8_grouped import fp8_scale, qdq_fp8
 
-__all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "cast_colwise", "cast_tensorwise", "fp8_linear",
-           "fp8_rms_norm", "fp8_class", "LINEAR_RECIPES", "saved_input_bytes"]
+__all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "fp8_linear", "fp8_rms_norm", "fp8_class",
+           "LINEAR_RECIPES", "saved_input_bytes"]
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 LINEAR_RECIPES = ("rowwise", "tensorwise")
 ALIGN = 16
 Operand = tuple[Tensor, Optional[Tensor]]  # (FP8 data, fp32 dequantization scale(s)) or (dequantized fp32, None)
@@ -104,55 +108,6 @@ def _pad_rows(x_MC: Tensor, M_pad: int) -> Tensor:
     return torch.cat([x_MC, x_MC.new_zeros(M_pad - x_MC.shape[0], x_MC.shape[1])])
 
 
-def _tensor_scale(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """torchao's tensorwise scale: max / amax in float64, as fp32 (not rounded)."""
-    amax = x.detach().abs().amax().double()
-    return (torch.finfo(dtype).max / torch.clamp(amax, min=EPS)).float()
-
-
-def _cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    m = torch.finfo(dtype).max
-    return (x.detach().float() * scale).clamp(-m, m).to(dtype)
-
-
-def cast_tensorwise(x_MN: Tensor, dtype: torch.dtype, *, rows: bool = True,
-                    cols: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
-    """torchao's tensorwise FP8 cast of ``x_MN`` ([M, N]; one scale, ``max / amax``, not rounded): (q row-major or
-    None, q column-major or None, the fp32 dequantization scale, a 0-dim tensor). With the Triton kernels
-    (:func:`lightning_moe.moe.kernels.use_triton`) one amax reduction and one pass that writes both layouts from one
-    read (``_fp8_dense_triton.tensorwise_cast_kernel``); else PyTorch ops, the same values."""
-    from lightning_moe.moe import kernels
-
-    x = x_MN.detach()
-    if not kernels.use_triton(x):
-        scale = _tensor_scale(x, dtype)
-        q = _cast(x, scale, dtype)
-        return q if rows else None, q.t().contiguous().t() if cols else None, scale.reciprocal()
-    from lightning_moe.lowp import _fp8_dense_triton as k
-
-    x = x.contiguous()
-    M, N = x.shape
-    amax = torch.linalg.vector_norm(x, float("inf"))  # max |x|, one reduction (exact in x's dtype)
-    q_dtype = dtype if x.is_cuda else torch.float32  # the interpreter stores the FP8 values as fp32 (exact)
-    q = torch.empty(M, N, device=x.device, dtype=q_dtype) if rows else None
-    qt = torch.empty(N, M, device=x.device, dtype=q_dtype) if cols else None
-    sinv = torch.empty((), device=x.device, dtype=torch.float32)
-    if x.numel():
-        mbits = 3 if dtype == E4M3 else 2
-        min_step = 2.0 ** (-9 if dtype == E4M3 else -16)  # the subnormal step
-        block_m, block_n = 64, 64
-        k.tensorwise_cast_kernel[(-(-M // block_m), -(-N // block_n))](
-            x, amax, q if rows else sinv, qt if cols else sinv, sinv, M, N, FP8_MAX=torch.finfo(dtype).max,
-            STEP=2.0 ** -mbits, MIN_STEP=min_step, ROWS=rows, COLS=cols, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=4)
-    else:
-        sinv.copy_(_tensor_scale(x, dtype).reciprocal())
-    if q_dtype != dtype:
-        q = q.to(dtype) if rows else None
-        qt = qt.to(dtype) if cols else None
-    return q, qt.t() if cols else None, sinv
-
-
 def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
                fast_accum: bool = False) -> Tensor:
     """``torch._scaled_mm`` with its CUDA layout contract checked everywhere (CPU runs the same calls in tests):
@@ -161,30 +116,6 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype
     assert scale_a.numel() in (1, a.shape[0]) and scale_b.numel() in (1, b.shape[1])
     return torch._scaled_mm(a, b, scale_a=scale_a.float().contiguous(), scale_b=scale_b.float().contiguous(),
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
-
-
-def cast_colwise(x_MC: Tensor) -> tuple[Tensor, Tensor]:
-    """x's e4m3 form scaled per column (amax over M; torchao's rowwise-recipe scale, a power of two) as an [M, C]
-    column-major tensor, and the columns' fp32 dequantization scales [C]: the rowwise weight gradient's operands. Two
-    Triton kernels (a column amax split over M, a tiled cast writing the transposed layout), each filling the GPU at
-    any shape (``_fp8_dense_triton``). Needs :func:`lightning_moe.moe.kernels.use_triton`."""
-    from lightning_moe.lowp import _fp8_dense_triton as k
-
-    x = x_MC.detach().contiguous()
-    M, C = x.shape
-    q_dtype = E4M3 if x.is_cuda else torch.float32  # the interpreter stores the FP8 values as fp32 (exact)
-    amax = torch.zeros(C, device=x.device, dtype=torch.float32)
-    qt = torch.empty(C, M, device=x.device, dtype=q_dtype)
-    sinv = torch.empty(C, device=x.device, dtype=torch.float32)
-    if x.numel():
-        rows, block_m, block_c = 256, 32, 128
-        k.colwise_amax_kernel[(-(-M // rows), -(-C // block_c))](x, amax.view(torch.int32), M, C, ROWS_PER_PROGRAM=rows,
-                                                                BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
-        k.colwise_cast_kernel[(-(-M // 64), -(-C // 64))](x, amax, qt, sinv, M, C, BLOCK_M=64, BLOCK_C=64,
-                                                          num_warps=4)
-    else:
-        sinv.copy_(fp8_scale(amax).reciprocal())
-    return (qt if q_dtype == E4M3 else qt.to(E4M3)).t(), sinv
 
 
 class _Ops:
@@ -196,24 +127,23 @@ class _Ops:
 
     # -- rowwise ---------------------------------------------------------------------------------------------------
     def _rows(self, x_MC: Tensor) -> Operand:
-        """Per-row e4m3 (amax over the columns)."""
+        """Per-row e4m3 (amax over the columns); scales [rows, 1]."""
         if self.emulate:
             return qdq_fp8(x_MC, fp8_scale(x_MC.detach().abs().float().amax(dim=-1, keepdim=True))), None
-        if not x_MC.is_cuda:  # the same values with PyTorch ops (CPU tests of the GEMM calls)
+        from lightning_moe.moe import kernels
+
+        if kernels.use_triton(x_MC):
+            q, s = cast_rowwise(x_MC)
+        else:  # the same values with PyTorch ops (CPU tests of the GEMM calls)
             from lightning_moe.lowp.fp8_grouped import quantize_rowwise
 
             q, s = quantize_rowwise(x_MC.contiguous())
-            return q, s[:, None]
-        from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_2d_scale_and_cast
-
-        q, scale = triton_fp8_rowwise_2d_scale_and_cast(x_MC.contiguous(), output_dtype=E4M3,
-                                                        round_scales_to_power_of_2=True)
-        return q, scale.reciprocal()  # [rows, 1]
+        return q, s[:, None]
 
     @staticmethod
     def _cols_dual(dy_MN: Tensor, x_MK: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Both wgrad operands per column (amax over M), column-major e4m3 data and [N] / [K] dequantization
-        scales: :func:`cast_colwise` with the Triton kernels, PyTorch ops (the same values) elsewhere."""
+        scales: ``cast_colwise`` with the Triton kernels, PyTorch ops (the same values) elsewhere."""
         from lightning_moe.moe import kernels
 
         if kernels.use_triton(dy_MN):
@@ -245,11 +175,20 @@ class _Ops:
             return q, sinv
 
     def w_dgrad(self, w_NK: Tensor) -> Operand:
-        """The dgrad's weight: rowwise per input column k (amax over N), as ``[K, N]`` rows; tensorwise the forward's
-        values, as the GEMM's right operand ``[N, K]`` column-major (made once per step with a weight cache)."""
+        """The dgrad's weight as the GEMM's right operand ``[N, K]`` column-major (made once per step with a weight
+        cache): rowwise per input column k (amax over N; scales [K]), tensorwise the forward's values."""
         with torch.no_grad():
             if self.recipe == "rowwise":
-                return self._rows(w_NK.t())
+                if self.emulate:
+                    return qdq_fp8(w_NK, fp8_scale(w_NK.detach().abs().float().amax(dim=0, keepdim=True))), None
+                from lightning_moe.moe import kernels
+
+                if kernels.use_triton(w_NK):
+                    return cast_colwise(w_NK)
+                from lightning_moe.lowp.fp8_grouped import quantize_rowwise
+
+                q, s = quantize_rowwise(w_NK.t().contiguous())
+                return q.t(), s
             if self.emulate:
                 return self.w_fwd(w_NK)
             _, qt, sinv = cast_tensorwise(w_NK, E4M3, rows=False, cols=True)
@@ -276,8 +215,8 @@ class _Ops:
         if self.recipe == "rowwise":
             dy = self._rows(dy)
             if self.emulate:
-                return (dy[0] @ w_op[0].t()).to(out_dtype)
-            return _scaled_mm(dy[0], w_op[0].t(), dy[1], w_op[1].reshape(1, -1), out_dtype)
+                return (dy[0] @ w_op[0]).to(out_dtype)
+            return _scaled_mm(dy[0], w_op[0], dy[1], w_op[1].reshape(1, -1), out_dtype)
         d_row, _, d_sinv = dy
         if self.emulate:
             return (d_row @ w_op[0]).to(out_dtype)
@@ -298,7 +237,7 @@ class _Ops:
         if self.emulate:
             return (d_col.t() @ xq).to(out_dtype)
         # dy.T [N, M] row-major (dy's column-major copy); x [M, K] column-major (a transposed copy of the FP8 x)
-        return _scaled_mm(d_col.t(), xq.t().contiguous().t(), d_sinv, xs, out_dtype)
+        return _scaled_mm(d_col.t(), transpose_fp8(xq).t(), d_sinv, xs, out_dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):

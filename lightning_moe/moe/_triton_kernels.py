@@ -158,7 +158,7 @@ def _e4m3_rne(y):
     a = tl.abs(y)
     e = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     spacing = tl.maximum(e * 0.125, 0.001953125)
-    v = a / spacing
+    v = a * (2130706432 - spacing.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # a / spacing, exact
     r = tl.floor(v + 0.5)
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
     r = tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
@@ -170,7 +170,9 @@ def _pow2_scale(amax):
     """torchao's rowwise FP8 scale of a row from its blockwise amaxes: 448 / amax (amax >= 1e-12) rounded down to a
     power of two (the exponent bits kept)."""
     a = tl.maximum(tl.max(amax, axis=0), 1e-12)
-    return ((448.0 / a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    # IEEE division (``/`` compiles to an approximate one on GPUs): at amax = 7 * 2^j, 448 / amax is exactly a power
+    # of two, and a result one ulp below it would round the scale down a whole binade
+    return (tl.div_rn(448.0, a).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
