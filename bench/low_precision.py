@@ -73,8 +73,6 @@ if __name__ == "__main__":  # `python bench/low_precision.py ...` runs `python -
 
 import argparse
 import os
-import csv
-import dataclasses
 import datetime
 import json
 import math
@@ -84,11 +82,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
 from bench import moe_layer, train_step
+from bench.core.curves import save_curves
+from bench.core.kernel_profile import profile_lines, profile_step
 from lightning_moe.callbacks import LowPrecisionTraining
 
 _HERE = Path(__file__).resolve().parent
@@ -274,53 +274,6 @@ def layer_lines(res: dict[str, Any], args: argparse.Namespace) -> str:
 def speed_target(mode: str, name: str, recipe: str) -> float:
     """The bf16 / FP8 ratio issue 23 asks of ``recipe`` (the default, auto) at one layer shape / step model."""
     return max(NEVER_SLOWER, SPEED_TARGETS[mode].get(name, NEVER_SLOWER)) if recipe == AUTO else NEVER_SLOWER
-
-
-def profile_lines(res: dict[str, Any]) -> str:
-    """The profiled kernels of each recipe at one layer shape (``--profile``): time by category, then the top
-    kernels (``bench/moe_layer.py``'s ``profile_layer`` table)."""
-    out = []
-    for recipe, prof in res.get("profile", {}).items():
-        cats = "  ".join(f"{k} {v:.2f} ms" for k, v in prof.get("categories_ms", {}).items())
-        out.append(f"--- profile {res['shape']} {recipe} (device ms per fwd+bwd): {cats}\n{prof.get('table', '')}")
-    return "\n".join(out)
-
-
-# kernel name fragments -> category, first match wins (CUDA kernel names of torch 2.11 / torchao 0.18 / ours)
-KERNEL_CATEGORIES = (("quantize", ("quant", "scale_and_cast", "colwise", "rowwise", "amax", "to_fp8", "cast_")),
-                     ("fp8 GEMM", ("f8", "fp8", "e4m3", "scaled_mm", "scaled_grouped")),
-                     ("bf16 GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "grouped_mm", "matmul")),
-                     ("copy / pad", ("copy", "index", "fill", "zero", "cat", "gather", "scatter", "pad")))
-
-
-def kernel_categories(prof: Any, iters: int) -> dict[str, float]:
-    """Device time per step by kernel category from a profiler's key averages (kernels only, no CPU ops)."""
-    cats: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0.0) or 0.0
-        if us <= 0 or getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU"):
-            continue
-        name = e.key.lower()
-        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
-        cats[cat] = cats.get(cat, 0.0) + us / 1000.0 / iters
-    return dict(sorted(cats.items(), key=lambda kv: -kv[1]))
-
-
-def profile_step(step: Callable[[], Any], device: torch.device, iters: int = 3) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
-    from bench.core.device import sync
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    step()
-    sync(device)
-    with profile(activities=acts) as prof:
-        for _ in range(iters):
-            step()
-        sync(device)
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return {"categories_ms": kernel_categories(prof, iters) if device.type == "cuda" else {},
-            "table": prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=70)}
 
 
 # ------------------------------------------------------------------------------------------------ (b) step
@@ -570,73 +523,6 @@ def convergence_table(report: dict[str, Any]) -> str:
                      f"{'' if s.get('same_init', True) or s['target'] is None else ' DIFFERENT INIT'}"
                      f"{'' if s.get('same_data', True) else ' DIFFERENT DATA'}")
     return "\n".join(lines)
-
-
-def _moving_average(v: list[float], n: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(v):
-        acc += x
-        if i >= n:
-            acc -= v[i - n]
-        out.append(acc / min(i + 1, n))
-    return out
-
-
-def pyplot_or_csv(stem: Path, header: list[str], rows: Iterable[Sequence[Any]]) -> tuple[Any, Optional[Path]]:
-    """matplotlib's pyplot (Agg backend) and None; where matplotlib is missing, None and ``stem``.csv holding the
-    rows (the curves' data, for ``--plot-from`` or a spreadsheet)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        path = stem.with_suffix(".csv")
-        with open(path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(header)
-            w.writerows(rows)
-        log(f"curves: {path} (matplotlib not importable: pip install 'lightning_moe[bench]' for a PNG)")
-        return None, path
-    return plt, None
-
-
-def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) -> Optional[Path]:
-    runs = [r for r in runs if r.get("losses")]
-    if not runs:
-        return None
-    stem = out.with_name(out.stem + "_curves")
-    plt, path = pyplot_or_csv(stem, ["run", "step", "loss"],
-                              ((r["model"], i + 1, v) for r in runs for i, v in enumerate(r["losses"])))
-    if plt is None:
-        return path
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    base = _moving_average(runs[0]["losses"], smooth) if runs[0]["recipe"] == BASE else None
-    for r in runs:
-        steps = range(1, len(r["losses"]) + 1)
-        ma = _moving_average(r["losses"], smooth)
-        line, = ax.plot(steps, ma, lw=1.4, label=f"{r['recipe']} (moving mean of {smooth})")
-        ax.plot(steps, r["losses"], lw=0.5, alpha=0.3, color=line.get_color())
-        if base is not None and r["recipe"] != BASE:
-            n = min(len(ma), len(base))
-            ax2.plot(range(1, n + 1), [100 * (a - b) / b for a, b in zip(ma[:n], base[:n])], lw=1.2,
-                     color=line.get_color(), label=r["recipe"])
-    ax.set_title(f"train loss ({title})")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    ax2.axhline(0, color="k", lw=0.6)
-    ax2.set_title(f"moving mean vs {BASE}, %")
-    ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("relative difference (%)")
-    if ax2.lines[1:]:
-        ax2.legend()
-    path = stem.with_suffix(".png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    log(f"curves: {path}")
-    return path
 
 
 # ------------------------------------------------------------------------------------------------ main

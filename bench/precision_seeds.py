@@ -57,7 +57,7 @@ import torch
 from bench import train_step
 from bench.core.env import child_env
 from bench.core.schema import save as save_result
-from bench.low_precision import _moving_average, pyplot_or_csv
+from bench.core.curves import _moving_average, pyplot_or_csv
 
 _HERE = Path(__file__).resolve().parent
 

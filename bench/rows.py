@@ -82,13 +82,19 @@ def low_precision(rep: Mapping[str, Any]) -> Rows:
     out = []
     for r in rep.get("layer", []) if isinstance(rep.get("layer"), list) else []:
         for impl, v in r.items():
-            if isinstance(v, dict) and "ms" in v:
-                status, note = status_of(v)
-                out.append(make_row("low_precision", f"layer {r.get('shape', '?')}", impl, numbers(v), status, note))
+            if not isinstance(v, dict):
+                continue
+            # a recipe's timings: flat (older reports) or per routing ("learned" / "forced")
+            timed = [("", v)] if "ms" in v else [(f" {k}", t) for k, t in v.items() if isinstance(t, dict) and "ms" in t]
+            for routing, t in timed:
+                status, note = status_of(t)
+                out.append(make_row("low_precision", f"layer {r.get('shape', '?')}{routing}", impl, numbers(t),
+                                    status, note))
     for r in rep.get("step", []) if isinstance(rep.get("step"), list) else []:
         status, note = status_of(r)
-        out.append(make_row("low_precision", f"step {r.get('model', '?')}", str(r.get("recipe", "?")), numbers(r),
-                            status, note))
+        mode = f" {r['mode']}" if r.get("mode") else ""
+        out.append(make_row("low_precision", f"step {r.get('model', '?')}{mode}", str(r.get("recipe", "?")),
+                            numbers(r), status, note))
     conv = rep.get("convergence") if isinstance(rep.get("convergence"), dict) else {}
     for r in conv.get("runs", []):
         status, note = status_of(r)

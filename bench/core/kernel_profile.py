@@ -1,0 +1,55 @@
+"""Where a layer step's device time goes (``bench/low_precision.py --profile``): one profiled step, its kernels summed
+by category (bf16 GEMM, FP8 GEMM, quantize, copy / pad, other) and the top kernels."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def profile_lines(res: dict[str, Any]) -> str:
+    """The profiled kernels of each recipe at one layer shape (``--profile``): time by category, then the top
+    kernels (``bench/moe_layer.py``'s ``profile_layer`` table)."""
+    out = []
+    for recipe, prof in res.get("profile", {}).items():
+        cats = "  ".join(f"{k} {v:.2f} ms" for k, v in prof.get("categories_ms", {}).items())
+        out.append(f"--- profile {res['shape']} {recipe} (device ms per fwd+bwd): {cats}\n{prof.get('table', '')}")
+    return "\n".join(out)
+
+
+# kernel name fragments -> category, first match wins (CUDA kernel names of torch 2.11 / torchao 0.18 / ours)
+KERNEL_CATEGORIES = (("quantize", ("quant", "scale_and_cast", "colwise", "rowwise", "amax", "to_fp8", "cast_")),
+                     ("fp8 GEMM", ("f8", "fp8", "e4m3", "scaled_mm", "scaled_grouped")),
+                     ("bf16 GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "grouped_mm", "matmul")),
+                     ("copy / pad", ("copy", "index", "fill", "zero", "cat", "gather", "scatter", "pad")))
+
+
+def kernel_categories(prof: Any, iters: int) -> dict[str, float]:
+    """Device time per step by kernel category from a profiler's key averages (kernels only, no CPU ops)."""
+    cats: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0.0) or 0.0
+        if us <= 0 or getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU"):
+            continue
+        name = e.key.lower()
+        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+        cats[cat] = cats.get(cat, 0.0) + us / 1000.0 / iters
+    return dict(sorted(cats.items(), key=lambda kv: -kv[1]))
+
+
+def profile_step(step: Callable[[], Any], device: torch.device, iters: int = 3) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.core.device import sync
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            step()
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return {"categories_ms": kernel_categories(prof, iters) if device.type == "cuda" else {},
+            "table": prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=70)}
