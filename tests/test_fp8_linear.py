@@ -99,6 +99,11 @@ def test_input_cache_quantizes_a_shared_input_once():
     assert cache.misses == 3 and torch.equal(y, fl.fp8_linear(x, ws[1], recipe="rowwise", emulate=True))
     fl.fp8_linear(x.clone(), ws[2], recipe="rowwise", emulate=True, input_cache=cache)
     assert cache.misses == 4
+    # an entry nobody reads (a norm recomputed in the backward) goes with its activation
+    y = fl.fp8_rms_norm(torch.randn(M, K), torch.ones(K), 1e-6, emulate=True, input_cache=cache)
+    assert cache._entry is not None
+    del y
+    assert cache._entry is None
 
 
 def test_weight_cache_once_per_optimizer_step():

@@ -86,6 +86,7 @@ from torch import Tensor, nn
 import lightning_moe.lowp  # noqa: F401  (quiets what importing torchao prints)
 from lightning_moe.lowp.crossover import (BENCH_COMMAND, CrossoverTable, Gemm, device_arch, model_gemms,
                                           shipped_table_path)
+from lightning_moe.lowp.fp8_linear import Fp8InputCache, Fp8Linear, Fp8QuantRMSNorm, fp8_class
 from lightning_moe.lowp.gemm_choice import GemmDecision, decide, decision_table
 from lightning_moe.moe.grouped_mm import GroupedMM, TorchGroupedMM
 
@@ -333,9 +334,9 @@ class LowPrecisionTraining(L.Callback):
         self.fuse_quant, self.cache_fp8_weights = bool(fuse_quant), bool(cache_fp8_weights)
         self.fused_dense = bool(fused_dense)
         self._edp_shard = 1
-        # FSDP's shard size of the dense weights; None until setup knows the layout: the dense FP8 weight cache
-        # stays off then (FSDP2 refills its unsharded weights without a version bump, so a cached copy could go stale)
-        self._dense_shard: Optional[int] = None
+        # data ranks FSDP2 spans for the dense weights; None until setup knows the layout. The dense FP8 weight cache
+        # needs 1 (FSDP2 refills its unsharded weights without a version bump, so a cached copy could go stale)
+        self._dense_data_ranks: Optional[int] = None
         self._compile_regions: tuple[str, ...] = ()
         self.device: Optional[torch.device] = None  # set by setup(); else the current CUDA device, else CPU
         self.converted: list[str] = []  # module names (auto: GEMM names) quantized by the last transform_model
@@ -361,14 +362,14 @@ class LowPrecisionTraining(L.Callback):
             dims = strategy.parallel_dims
             self._ep, self._etp, self._cp, self._tp = dims.ep, dims.etp, dims.cp, dims.tp
             self._edp_shard = dims.edp_shard
-            self._dense_shard = dims.dp_replicate * dims.dp_shard * dims.cp  # data ranks FSDP2 spans
+            self._dense_data_ranks = dims.dp_replicate * dims.dp_shard * dims.cp
             self._compile_regions = tuple(strategy.compile_regions)
             if self.dense and self.recipe in SWAPPED_RECIPES and dims.tp > 1:
                 raise ValueError(f"LowPrecisionTraining(recipe={self.recipe!r}) with tp={dims.tp}: block-scaled "
                                  "dense linears under tensor parallelism are not supported (blocks would straddle "
                                  "shards); use tp=1, dense=False, or an fp8 recipe")
         elif getattr(trainer, "world_size", 1) == 1:  # one process, no FSDP
-            self._dense_shard = 1
+            self._dense_data_ranks = 1
         dm = getattr(trainer, "datamodule", None)
         if dm is not None and isinstance(getattr(dm, "batch_size", None), int) \
                 and isinstance(getattr(dm, "seq_len", None), int):
@@ -591,13 +592,11 @@ class LowPrecisionTraining(L.Callback):
                 if hasattr(cls, "init_std"):
                     m.init_std = cls.init_std
 
-
     def _swap_fp8_linears(self, model: nn.Module, names: set[str], recipe: str) -> None:
         """Our eager FP8 linear in place of ``names`` (class swap; same parameters), with one input cache per group
         of linears that read one activation (an attention block's input projections, an MLP's w1 / w3) and, for
         ``rowwise``, the attention block's RMSNorm quantizing that input in its own kernel."""
         from lightning_moe.lowp.fp8_fused import Fp8WeightCache
-        from lightning_moe.lowp.fp8_linear import Fp8InputCache, Fp8Linear, Fp8QuantRMSNorm, fp8_class
         from lightning_moe.models.transformer import RMSNorm
 
         groups: dict[tuple[str, str], list[str]] = {}
@@ -605,7 +604,7 @@ class LowPrecisionTraining(L.Callback):
             m = model.get_submodule(name)
             m.__class__ = fp8_class(Fp8Linear, type(m))
             m.lowp_recipe, m.lowp_emulate = recipe, self.emulate
-            m.lowp_weight_cache = Fp8WeightCache() if self._dense_shard == 1 and self.cache_fp8_weights else None
+            m.lowp_weight_cache = Fp8WeightCache() if self._dense_data_ranks == 1 and self.cache_fp8_weights else None
             m.lowp_input_cache = None
             parent, _, leaf = name.rpartition(".")
             role = next((r for r, leaves in SHARED_INPUT.items() if leaf in leaves), None)
@@ -658,8 +657,6 @@ def _plain_fp8_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str
 
 
 def _is_converted_linear(m: nn.Module) -> bool:
-    from lightning_moe.lowp.fp8_linear import Fp8Linear
-
     return isinstance(m, (BlockScaledLinear, Fp8Linear)) or type(m).__name__ == "Float8Linear"
 
 

@@ -46,7 +46,8 @@ from torch import Tensor, nn
 
 from lightning_moe.lowp.fp8_casts import (E4M3, E5M2, _tensor_scale, cast_colwise, cast_rowwise, cast_tensorwise,
                                           transpose_fp8)
-from lightning_moe.lowp.fp8_grouped import fp8_scale, qdq_fp8
+from lightning_moe.lowp.fp8_grouped import fp8_scale, qdq_fp8, quantize_rowwise
+from lightning_moe.moe import kernels
 
 __all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "fp8_linear", "fp8_rms_norm", "fp8_class",
            "LINEAR_RECIPES", "saved_input_bytes"]
@@ -60,8 +61,8 @@ class Fp8InputCache:
     """The FP8 form of one activation read by ``consumers`` linears (q / k / v; MLA's wq_a and wkv_a; an MLP's w1 and
     w3), or made by the RMSNorm that produced it: the first reader that finds no entry for its input quantizes it and
     stores the result, the others take it. One entry, matched by identity (a weak reference: the cache never keeps an
-    activation alive) and ``_version``; it is dropped once every consumer has read it, so no FP8 copy outlives the
-    forward of its block. ``hits`` / ``misses`` count lookups (tests)."""
+    activation alive) and ``_version``; it is dropped once every consumer has read it or its activation is freed,
+    so no FP8 copy outlives the forward of its block. ``hits`` / ``misses`` count lookups (tests)."""
 
     def __init__(self, consumers: int) -> None:
         assert consumers >= 1
@@ -77,7 +78,12 @@ class Fp8InputCache:
         """Store the FP8 form of ``x`` (by the norm that made it, or by the first reader)."""
         if x.is_inference():  # no version counter
             return
-        self._entry, self._reads = (weakref.ref(x), x._version, recipe, value), 0
+        # the entry dies with its activation (a norm recomputed in the backward stores one that no linear reads)
+        self._entry, self._reads = (weakref.ref(x, self._expire), x._version, recipe, value), 0
+
+    def _expire(self, ref: Any) -> None:
+        if self._entry is not None and self._entry[0] is ref:
+            self._entry = None
 
     def read(self, x: Tensor, recipe: str) -> Optional[Operand]:
         """The stored FP8 form of ``x`` (counted as one consumer's read), or None."""
@@ -130,13 +136,9 @@ class _Ops:
         """Per-row e4m3 (amax over the columns); scales [rows, 1]."""
         if self.emulate:
             return qdq_fp8(x_MC, fp8_scale(x_MC.detach().abs().float().amax(dim=-1, keepdim=True))), None
-        from lightning_moe.moe import kernels
-
         if kernels.use_triton(x_MC):
             q, s = cast_rowwise(x_MC)
         else:  # the same values with PyTorch ops (CPU tests of the GEMM calls)
-            from lightning_moe.lowp.fp8_grouped import quantize_rowwise
-
             q, s = quantize_rowwise(x_MC.contiguous())
         return q, s[:, None]
 
@@ -144,12 +146,8 @@ class _Ops:
     def _cols_dual(dy_MN: Tensor, x_MK: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Both wgrad operands per column (amax over M), column-major e4m3 data and [N] / [K] dequantization
         scales: ``cast_colwise`` with the Triton kernels, PyTorch ops (the same values) elsewhere."""
-        from lightning_moe.moe import kernels
-
         if kernels.use_triton(dy_MN):
             return (*cast_colwise(dy_MN), *cast_colwise(x_MK))
-        from lightning_moe.lowp.fp8_grouped import quantize_rowwise
-
         dq, ds = quantize_rowwise(dy_MN.t().contiguous())
         xq, xs = quantize_rowwise(x_MK.t().contiguous())
         return dq.t(), ds, xq.t(), xs
@@ -181,12 +179,8 @@ class _Ops:
             if self.recipe == "rowwise":
                 if self.emulate:
                     return qdq_fp8(w_NK, fp8_scale(w_NK.detach().abs().float().amax(dim=0, keepdim=True))), None
-                from lightning_moe.moe import kernels
-
                 if kernels.use_triton(w_NK):
                     return cast_colwise(w_NK)
-                from lightning_moe.lowp.fp8_grouped import quantize_rowwise
-
                 q, s = quantize_rowwise(w_NK.t().contiguous())
                 return q.t(), s
             if self.emulate:
@@ -325,14 +319,10 @@ class _RMSNormQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RD: Tensor, w_D: Tensor, eps: float, emulate: bool):
-        from lightning_moe.moe import kernels
-
         q_dtype = torch.float32 if emulate else E4M3
         if kernels.use_triton(x_RD):
             y, q, s = kernels.rms_norm_quant_rowwise(x_RD, w_D, eps, q_dtype)
         else:  # the PyTorch reference: the same values
-            from lightning_moe.lowp.fp8_grouped import quantize_rowwise
-
             y = _rms_norm(x_RD, w_D, eps)
             q, s = quantize_rowwise(y, q_dtype)
         ctx.save_for_backward(x_RD, w_D)
