@@ -20,13 +20,17 @@ tensorwise / rowwise, ``BlockScaledLinear`` for blockwise) vs ``nn.Linear`` in b
 GEMMs have no tensorwise variant (the experts run rowwise under ``fp8_tensorwise``).
 
 ``--time-limit`` (default 540 s): checked before each (shape, M); the table is rewritten after every shape, so what ran
-is always a complete, valid table (``complete`` false and ``not_run`` listing what did not).
+is always a valid table (``complete`` false, ``not_run`` listing what did not, a cut shape's entries ``partial``).
 
 GPU (one H200, repository root; ~9 minutes or more; prints one line per shape and the table path):
     python -m bench fp8_crossover --time-limit 540
-A sweep cut by its time limit resumes from the table it wrote (measured shapes are kept); ``--remeasure dense``
-measures the dense shapes again (their kernels changed) and keeps the grouped ones:
-    python -m bench fp8_crossover --merge lightning_moe/lowp/crossover/sm90.json --time-limit 540
+A sweep cut by its time limit resumes from the table it wrote: what it measured completely is kept per (shape,
+recipe), the rest is measured. ``--remeasure dense`` measures the dense shapes again (their kernels changed) for the
+recipes of ``--recipes`` only and keeps the other recipes' entries, e.g. our fused tensorwise / rowwise linear
+without timing torchao's blockwise dense path again (its quantizers autotune over 45 configs per K):
+    python -m bench fp8_crossover --merge lightning_moe/lowp/crossover/sm90.json --remeasure dense \
+        --recipes fp8_tensorwise,fp8_rowwise --time-limit 540
+``not_run`` lists per shape the recipes without a complete entry; ``complete`` is true when it holds no eager one.
 CPU smoke test (emulated numerics, toy shapes, a table in /tmp; tests/test_fp8_crossover.py):
     python -m bench fp8_crossover --device cpu --emulate --small --out-dir /tmp/xo
 """
@@ -160,11 +164,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed reps per point (default 2; 1 with --small)")
     p.add_argument("--max-rows", type=int, default=131072, help="grouped: cap on experts x M (memory)")
     p.add_argument("--min-speedup", type=float, default=1.0, help="ratio the crossover M needs from there on")
-    p.add_argument("--merge", default=None, metavar="TABLE", help="start from this table: its measured shapes are "
-                   "kept and not measured again (a sweep cut by --time-limit resumes where it stopped), except the "
-                   "kinds named by --remeasure")
+    p.add_argument("--merge", default=None, metavar="TABLE", help="start from this table: its complete entries are "
+                   "kept and not measured again (a sweep cut by --time-limit resumes where it stopped), except those "
+                   "of the kinds named by --remeasure whose recipe is in --recipes")
     p.add_argument("--remeasure", default="", help="with --merge: comma-separated kinds (dense, grouped) measured "
-                   "again, e.g. after their kernels changed")
+                   "again with the recipes of --recipes, e.g. after their kernels changed")
     p.add_argument("--dense-impl", choices=["fused", "torchao"], default="fused", help="dense FP8 linears: ours "
                    "(fused quantization kernels, what eager training runs) or torchao's Float8Linear")
     p.add_argument("--mode", choices=["eager", "compiled"], default="eager", help="compiled: the dense linears "
@@ -211,19 +215,38 @@ def shape_key(e: dict[str, Any]) -> tuple:
     return (e["kind"], e["N"], e["K"], e["groups"], e.get("mode", "eager"))
 
 
-def merged_entries(path: str, remeasure: list[str]) -> tuple[list[dict[str, Any]], set[tuple], dict[str, Any],
-                                                            list[dict[str, Any]]]:
-    """The entries of a table to keep, the shapes they measured completely (not measured again), a record of where
-    they came from, and the shapes it did not reach."""
+def merged_entries(path: str, remeasure: list[str], recipes: list[str]) -> tuple[
+        list[dict[str, Any]], set[tuple], dict[str, Any], list[dict[str, Any]]]:
+    """The entries of a table to keep, the (shape, recipe) pairs they measured completely (not measured again), a
+    record of where they came from, and its "not run" records. Dropped: entries cut by a time limit, and those of a
+    ``remeasure`` kind whose recipe is in ``recipes`` (a sweep of some recipes keeps the other recipes' entries)."""
     prior = json.loads(Path(path).read_text())
     if prior.get("schema") != SCHEMA:
         raise SystemExit(f"--merge {path}: schema {prior.get('schema')}, this sweep writes {SCHEMA}")
-    partial = {shape_key(n) for n in prior.get("not_run", [])}
-    keep = [e for e in prior["entries"] if e["kind"] not in remeasure and shape_key(e) not in partial]
-    # the shapes the prior sweep did not reach stay "not run" unless this sweep measures them
+    # tables before per-recipe records marked a cut shape in not_run (every recipe of it partial)
+    cut = {(shape_key(n), r) for n in prior.get("not_run", []) if n.get("partial")
+           for r in n.get("recipes", RECIPES_BY_KIND[n["kind"]])}
+    keep = [e for e in prior["entries"] if not e.get("partial") and (shape_key(e), e["recipe"]) not in cut
+            and not (e["kind"] in remeasure and e["recipe"] in recipes)]
     source = {k: prior.get(k) for k in ("command", "date", "torch", "torchao", "gpu")}
     source["entries_kept"] = len(keep)
-    return keep, {shape_key(e) for e in keep}, source, list(prior.get("not_run", []))
+    return keep, {(shape_key(e), e["recipe"]) for e in keep}, source, list(prior.get("not_run", []))
+
+
+def not_run(todo: list[tuple[Gemm, list[str]]], entries: list[dict[str, Any]], mode: str,
+            fitting: Callable[[Gemm], list[str]]) -> list[dict[str, Any]]:
+    """One record per shape of ``todo`` with a fitting recipe that has no complete entry: which recipes are missing
+    and whether a time limit cut one (``partial``: its entry holds the Ms that ran)."""
+    complete = {(shape_key(e), e["recipe"]) for e in entries if not e.get("partial")}
+    cut = {(shape_key(e), e["recipe"]) for e in entries if e.get("partial")}
+    out = []
+    for g, names in todo:
+        key = (g.kind, g.N, g.K, g.groups, mode)
+        missing = [r for r in fitting(g) if (key, r) not in complete]
+        if missing:
+            out.append({"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "names": names, "mode": mode,
+                        "recipes": missing, "partial": any((key, r) in cut for r in missing)})
+    return out
 
 
 def versions() -> dict[str, Any]:
@@ -256,44 +279,54 @@ def main(argv: Optional[list[str]] = None) -> int:
     if skip_grouped_blockwise:
         log("grouped fp8_blockwise: not timed (no deep_gemm: torchao's fallback dequantizes; "
             "--grouped-blockwise-fallback times it anyway)")
+
+    def fitting(g: Gemm) -> list[str]:  # the recipes a complete table holds for g
+        return [r for r in RECIPES_BY_KIND[g.kind] if fits(r, g)
+                and not (skip_grouped_blockwise and g.kind == "grouped" and r == "fp8_blockwise")]
+
     table: dict[str, Any] = {
         "schema": SCHEMA, "arch": arch, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         **versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "-m", "bench", "fp8_crossover", *argv]), "emulate": args.emulate,
         "dtype": str(dtype).removeprefix("torch."), "reps": args.reps, "warmup": args.warmup,
         "max_rows": args.max_rows, "min_speedup": args.min_speedup, "m_grid": m_grid, "presets": args.presets,
-        "entries": [], "complete": False, "not_run": [], "errors": [], "dense_impl": args.dense_impl,
-        "grouped_blockwise_timed": not skip_grouped_blockwise}
+        "recipes": args.recipes, "entries": [], "complete": False, "not_run": [], "errors": [],
+        "dense_impl": args.dense_impl, "grouped_blockwise_timed": not skip_grouped_blockwise}
     done: set[tuple] = set()
+    other_modes: list[dict[str, Any]] = []  # not-run records of the other mode: this sweep does not measure them
     if args.merge:
-        table["entries"], done, table["merged_from"], prior_not_run = merged_entries(args.merge, args.remeasure)
-        # shapes of another mode the prior sweep did not reach: still not run (this sweep does not measure them)
-        table["not_run"] = [n for n in prior_not_run if n.get("mode", "eager") != args.mode]
-        log(f"--merge {args.merge}: {len(table['entries'])} entries kept over {len(done)} shapes"
-            + (f"; measuring {args.remeasure} again" if args.remeasure else ""))
-        todo = [(g, names) for g, names in todo if (g.kind, g.N, g.K, g.groups, args.mode) not in done]
+        table["entries"], done, table["merged_from"], prior_not_run = merged_entries(
+            args.merge, args.remeasure, args.recipes)
+        other_modes = [n for n in prior_not_run if n.get("mode", "eager") != args.mode]
+        log(f"--merge {args.merge}: {len(table['entries'])} entries kept"
+            + (f"; measuring {args.remeasure} {args.recipes} again" if args.remeasure else ""))
 
     def save() -> None:
+        table["not_run"] = other_modes + not_run(todo, table["entries"], args.mode, fitting)
+        # complete: every shape measured eagerly with every recipe (a compiled sweep covers what it is asked to)
+        table["complete"] = not [n for n in table["not_run"] if n.get("mode", "eager") == "eager"]
         table["elapsed_s"] = round(time.perf_counter() - t0, 1)
         tmp = out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(table, indent=1) + "\n")
         os.replace(tmp, out)
 
+    def recipes_todo(g: Gemm) -> list[str]:
+        key = (g.kind, g.N, g.K, g.groups, args.mode)
+        return [r for r in fitting(g) if r in args.recipes and (key, r) not in done]
+
+    n_todo = sum(1 for g, _ in todo if recipes_todo(g))
     log(f"fp8 crossover on {table['gpu']} ({arch}), torch {table['torch']}, torchao {table['torchao']}: "
-        f"{len(todo)} shapes x M {m_grid[0]}..{m_grid[-1]}, recipes {args.recipes}, time limit {args.time_limit:.0f} s")
+        f"{n_todo} shapes x M {m_grid[0]}..{m_grid[-1]}, recipes {args.recipes}, time limit {args.time_limit:.0f} s")
     point_s = 0.5  # seconds one (shape, M) took last: the budget check before the next
     stopped = False
     for g, names in todo:
-        recipes = [r for r in RECIPES_BY_KIND[g.kind] if r in args.recipes and fits(r, g)
-                   and not (skip_grouped_blockwise and g.kind == "grouped" and r == "fp8_blockwise")]
+        recipes = recipes_todo(g)
         label = f"{g.kind} N={g.N} K={g.K} E={g.groups}"
+        if not fitting(g):
+            log(f"{label}: no recipe fits these dims")
         if stopped or not recipes:
-            if not recipes:
-                log(f"{label}: no recipe fits these dims")
-            else:
-                table["not_run"].append({"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "names": names,
-                                         "mode": args.mode})
             continue
+        t_shape = time.perf_counter()
         entries = {r: {"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "recipe": r, "names": names,
                        "ratios": {}, "bf16_ms": {}, "fp8_ms": {}, "groups_at": {}, "mode": args.mode,
                        "dense_impl": None if g.kind == "grouped" else
@@ -333,20 +366,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             point_s = time.perf_counter() - t_point
         for e_ in entries.values():
             e_["crossover_m"] = crossover_m({int(k): v for k, v in e_["ratios"].items()}, args.min_speedup)
+            if stopped:
+                e_["partial"] = True  # the Ms that ran; a --merge sweep measures the shape again
             if e_["ratios"]:
                 table["entries"].append(e_)
-        log(f"{label} [{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}]: "
+        log(f"{label} [{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}] "
+            f"{time.perf_counter() - t_shape:.0f} s: "
             + "; ".join(f"{r} x{entries[r]['crossover_m'] or '-'} "
                         f"({' '.join(format(v, '.2f') for v in entries[r]['ratios'].values())})" for r in recipes))
-        if stopped:
-            table["not_run"].append({"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "names": names,
-                                     "mode": args.mode, "partial": True})
         save()
-    # complete: every shape measured eagerly (a compiled sweep covers the shapes it is asked to, on top)
-    table["complete"] = not [n for n in table["not_run"] if n.get("mode", "eager") == "eager"]
     save()
     log(f"wrote {out}: {len(table['entries'])} entries, complete={table['complete']}, "
         f"{len(table['errors'])} errors, {table['elapsed_s']:.0f} s")
+    missing: dict[str, int] = {}
+    for n in table["not_run"]:
+        for r in n.get("recipes", ["all"]):
+            missing[f"{n['kind']} {r}"] = missing.get(f"{n['kind']} {r}", 0) + 1
+    if missing:
+        log("not run (shapes): " + ", ".join(f"{k} {v}" for k, v in sorted(missing.items())))
     for err in table["errors"][:20]:
         log(f"  error: {err}")
     return 0

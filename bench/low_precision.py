@@ -35,7 +35,8 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  8 x 256 tokens, AdamW wd 0.1). Both: warmup min(20, steps / 10), cosine to 0.1 x lr, clip 1.0.
                  Smoothed final loss = mean train loss of the last ``--smooth`` (20) steps; relative difference to
                  the baseline (targets: FP8 recipes 1%, MXFP8 / NVFP4 3%). Curves: ``<out stem>_curves.png``
-                 (matplotlib, the ``bench`` extra) or ``.csv``.
+                 (matplotlib, the ``bench`` extra) or ``.csv``. ``--conv-reference JSON``: the baseline and noise
+                 runs of an earlier report with the same settings, only ``--recipes`` run (a short GPU call).
 
 Targets (issue 23, bf16 time / FP8 time of the default ``auto``): at least 0.98 everywhere (never slower), Mixtral
 layer 1.3, DeepSeek-V3 layer 1.1, DeepSeek-V3-shaped step 1.1 (``SPEED_TARGETS``); printed beside each ratio.
@@ -87,8 +88,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import moe_layer, train_step
-from bench.core.curves import save_curves
+from bench.core.curves import reference_runs, save_curves
 from bench.core.kernel_profile import profile_lines, profile_step
+from bench.core.text import err as _err, log
 from lightning_moe.callbacks import LowPrecisionTraining
 
 _HERE = Path(__file__).resolve().parent
@@ -113,10 +115,6 @@ UNIT_S = {"cuda": {"layer": 25.0, "step": 40.0, "convergence": 45.0}, "cpu": {"l
 STEP_COST = {("qwen8", "eager"): 1.0, ("qwen8", "compiled"): 2.0, ("dsv3", "eager"): 1.5, ("dsv3", "compiled"): 2.5}
 # per convergence run: model build, data setup and teardown, outside Lightning's max_time
 MARGIN_S = {"cuda": 15.0, "cpu": 3.0}
-
-
-def log(*a: Any) -> None:
-    print(*a, flush=True)
 
 
 class Budget:
@@ -157,10 +155,6 @@ def _median_of_repeats(reps: list[dict[str, Any]], key: str) -> dict[str, Any]:
     peaks = [r["peak_gib"] for r in reps if r.get("peak_gib") is not None]
     out["peak_gib"] = max(peaks) if peaks else None
     return out
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -441,6 +435,9 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Bu
     names = [(BASE, BASE, args.seed), *((r, r, args.seed) for r in args.recipes)]
     if args.noise_seed is not None:
         names.append((f"{BASE}_seed{args.noise_seed}", BASE, args.noise_seed))
+    ref = reference_runs(Path(args.conv_reference), report) if args.conv_reference else None
+    if ref:  # the baseline and noise runs of an earlier report: only the recipes run here
+        names = [n for n in names[1:] if n[1] != BASE]
     for i, (label, recipe, seed) in enumerate(names):
         left = budget.left()
         share = left / (len(names) - i)  # equal shares of what is left
@@ -462,6 +459,8 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Bu
             log(f"convergence {args.preset} {label}: stopped after {len(r['losses'])} of {steps} steps "
                 f"({'error' if 'error' in r else 'time limit'})")
         report["runs"].append(r)
+    if ref:
+        report["runs"] = [ref[0], *report["runs"], *ref[1]]
     base = report["runs"][0]
     for r in report["runs"][1:]:
         report["summary"].append(compare(base, r, args, steps))
@@ -584,6 +583,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--smooth", type=int, default=None, help="steps averaged for the final loss (default 20; 3 small)")
     g.add_argument("--noise-seed", type=int, default=None, help="also run the baseline from this init seed: its "
                    "difference to the first baseline is the noise the recipes' differences are read against")
+    g.add_argument("--conv-reference", default=None, metavar="JSON", help="take the baseline and noise runs from "
+                   "this earlier report (same settings) and run only --recipes")
     g = p.add_argument_group("profile")
     g.add_argument("--profile", action="store_true", help="layer mode: profile one fwd+bwd of the baseline and of "
                    "--profile-recipes at each shape (device time by kernel category, top kernels)")

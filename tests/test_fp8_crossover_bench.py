@@ -13,7 +13,6 @@ from lightning_moe.lowp.crossover import SCHEMA, CrossoverTable, crossover_m
 pytest.importorskip("torchao.float8", reason="the fp8 dense linears use torchao (the ao extra)")
 
 
-
 @pytest.fixture(scope="module")
 def bench():
     import bench.fp8_crossover as mod
@@ -71,20 +70,67 @@ def test_merge_resumes_a_cut_sweep_and_remeasures_a_kind(bench, tmp_path):
     full = _run(bench, tmp_path / "full")
     cut_dir = tmp_path / "cut"
     cut = _run(bench, cut_dir, "--presets", "tiny", "--m-max", "128")  # a complete table of fewer Ms ...
-    cut["not_run"] = [{k: e[k] for k in ("kind", "N", "K", "groups", "names")} for e in cut["entries"]
-                      if e["kind"] == "dense"]  # ... pretend the dense shapes were not reached
-    cut["entries"] = [e for e in cut["entries"] if e["kind"] == "grouped"]
+    cut["entries"] = [e for e in cut["entries"] if e["kind"] == "grouped"]  # ... pretend the dense ones were cut
     (cut_dir / "cpu.json").write_text(json.dumps(cut))
     resumed = _run(bench, tmp_path / "resumed", "--merge", str(cut_dir / "cpu.json"))
     grouped = [e for e in resumed["entries"] if e["kind"] == "grouped"]
     dense = [e for e in resumed["entries"] if e["kind"] == "dense"]
     assert grouped == cut["entries"]  # kept as they were: the two-M grid of the cut run
     assert dense and all(list(e["ratios"]) == [str(m) for m in full["m_grid"]] for e in dense)  # measured now
-    assert resumed["complete"] is True and resumed["merged_from"]["entries_kept"] == len(grouped)
+    assert resumed["complete"] is True and resumed["not_run"] == []
+    assert resumed["merged_from"]["entries_kept"] == len(grouped)
     again = _run(bench, tmp_path / "again", "--merge", str(cut_dir / "cpu.json"), "--remeasure", "grouped")
     assert all(list(e["ratios"]) == [str(m) for m in full["m_grid"]] for e in again["entries"])
     with pytest.raises(SystemExit, match="--remeasure"):
         bench.parse_args(["--device", "cpu", "--remeasure", "grouped"])
+
+
+def test_remeasure_of_some_recipes_keeps_the_others(bench, tmp_path):
+    """--remeasure dense --recipes fp8_rowwise times the dense shapes again with rowwise only: the other recipes'
+    dense entries and the grouped ones stay as they were, and the table is still complete."""
+    prior_dir = tmp_path / "prior"
+    prior = _run(bench, prior_dir, "--m-max", "128")
+    merged = _run(bench, tmp_path / "merged", "--merge", str(prior_dir / "cpu.json"), "--remeasure", "dense",
+                  "--recipes", "fp8_rowwise")
+    by_key = lambda t: {(e["kind"], e["N"], e["K"], e["recipe"]): e for e in t["entries"]}  # noqa: E731
+    before, after = by_key(prior), by_key(merged)
+    assert set(before) == set(after)
+    for k, e in after.items():
+        remeasured = k[0] == "dense" and k[3] == "fp8_rowwise"
+        assert list(e["ratios"]) == [str(m) for m in merged["m_grid"]] if remeasured else e == before[k], k
+    assert merged["complete"] is True and merged["recipes"] == ["fp8_rowwise"]
+
+
+def test_a_cut_shape_is_partial_and_measured_again(bench, tmp_path):
+    """The time limit cuts a shape after its first M: its entries are marked partial, not_run names the shape and its
+    recipes, and a merged sweep measures the cut recipes in full while keeping the complete entries."""
+    prior_dir = tmp_path / "prior"
+    prior = _run(bench, prior_dir)
+    dense = [e for e in prior["entries"] if e["kind"] == "dense"]
+    cut = dense[0]
+    cut_key = (cut["kind"], cut["N"], cut["K"], cut["groups"])
+    for e in prior["entries"]:
+        if (e["kind"], e["N"], e["K"], e["groups"]) == cut_key:
+            e["partial"] = True
+            e["ratios"] = {"64": e["ratios"]["64"]}
+        elif e["kind"] == "dense" and e["recipe"] == "fp8_blockwise":
+            e["ratios"] = {"64": 123.0}  # a marker: kept entries are not timed again
+    recipes = sorted(e["recipe"] for e in prior["entries"] if (e["kind"], e["N"], e["K"], e["groups"]) == cut_key)
+    prior["not_run"] = []
+    (prior_dir / "cpu.json").write_text(json.dumps(prior))
+    resumed = _run(bench, tmp_path / "resumed", "--merge", str(prior_dir / "cpu.json"))
+    again = [e for e in resumed["entries"] if (e["kind"], e["N"], e["K"], e["groups"]) == cut_key]
+    assert sorted(e["recipe"] for e in again) == recipes
+    assert all(not e.get("partial") and len(e["ratios"]) == len(resumed["m_grid"]) for e in again)
+    kept = [e for e in resumed["entries"] if e["kind"] == "dense" and e["recipe"] == "fp8_blockwise"
+            and (e["kind"], e["N"], e["K"], e["groups"]) != cut_key]
+    assert kept and all(e["ratios"] == {"64": 123.0} for e in kept)
+    assert resumed["complete"] is True
+    # not_run of a table a sweep of fewer recipes wrote: the missing recipes per shape, complete false
+    no_blockwise = [e for e in resumed["entries"] if e["recipe"] != "fp8_blockwise"]
+    fewer = bench.not_run(bench.shapes(["tiny"], True), no_blockwise, "eager",
+                          lambda g: [r for r in bench.RECIPES_BY_KIND[g.kind] if bench.fits(r, g)])
+    assert fewer and all(n["recipes"] == ["fp8_blockwise"] and not n["partial"] for n in fewer)
 
 
 def test_compiled_entries_are_looked_up_only_for_compiled_gemms():

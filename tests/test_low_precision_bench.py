@@ -82,3 +82,20 @@ def test_time_limit_skips_units_with_a_message(bench, tmp_path, capsys):
     assert all(s["note"] == "skipped (time limit)" for s in report["convergence"]["summary"])
     # the layer shape; step models x recipes (one run each); the convergence runs and the second init
     assert capsys.readouterr().out.count("SKIPPED") == 1 + 2 * 3 + 3 + 1
+
+
+def test_conv_reference_runs_only_the_recipes_against_an_earlier_baseline(bench, tmp_path):
+    """--conv-reference: the baseline and noise runs come from an earlier report (not run again), only --recipes
+    run, and the comparison still checks the init; a report of other settings is refused."""
+    conv = ["--mode", "convergence", "--recipes", "fp8_rowwise"]
+    first, first_out = _run(bench, tmp_path / "a", *conv)
+    prior = first["convergence"]["runs"]
+    again, _ = _run(bench, tmp_path / "b", *conv[:2], "--recipes", "nvfp4", "--conv-reference", str(first_out))
+    runs = again["convergence"]["runs"]
+    assert [r["recipe"] for r in runs] == ["baseline", "nvfp4", "baseline_seed1"]
+    assert runs[0]["losses"] == prior[0]["losses"] and runs[0]["from"] == str(first_out)
+    assert runs[2]["losses"] == prior[-1]["losses"] and "from" not in runs[1]
+    nvfp4, noise = again["convergence"]["summary"]
+    assert nvfp4["same_init"] and nvfp4["same_data"] and nvfp4["compared_steps"] == 3 and noise["ok"] is None
+    with pytest.raises(SystemExit, match="steps"):
+        _run(bench, tmp_path / "c", *conv, "--conv-steps", "4", "--conv-reference", str(first_out))

@@ -77,3 +77,24 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) 
     plt.close(fig)
     log(f"curves: {path}")
     return path
+
+
+def reference_runs(path: Path, report: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The baseline run and the noise runs (``baseline_seed*``) of an earlier convergence report written with the same
+    preset, steps and settings as ``report``, e.g. to run one more recipe against them in a short GPU call. Each is
+    marked with where it came from; the comparison still checks that the inits and first batches match."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    prior = data.get("convergence", data)
+    if not isinstance(prior, dict) or "runs" not in prior:
+        raise SystemExit(f"--conv-reference {path}: no convergence report in it")
+    for key in ("preset", "steps", "smooth", "settings"):
+        if prior.get(key) != report.get(key):
+            raise SystemExit(f"--conv-reference {path}: its {key} is {prior.get(key)!r}, this run's "
+                             f"{report.get(key)!r}; run it with the same settings")
+    base = [r for r in prior["runs"] if r.get("recipe") == BASE and r.get("losses")]
+    if not base:
+        raise SystemExit(f"--conv-reference {path}: no baseline run with losses in it")
+    noise = [r for r in prior["runs"] if str(r.get("recipe", "")).startswith(f"{BASE}_seed") and r.get("losses")]
+    return ({**base[0], "from": str(path)}, [{**r, "from": str(path)} for r in noise])
