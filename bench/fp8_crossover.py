@@ -215,6 +215,11 @@ def shape_key(e: dict[str, Any]) -> tuple:
     return (e["kind"], e["N"], e["K"], e["groups"], e.get("mode", "eager"))
 
 
+def gemm_key(g: Gemm, mode: str) -> tuple:
+    """:func:`shape_key` of the entries ``g`` gets when measured in ``mode``."""
+    return (g.kind, g.N, g.K, g.groups, mode)
+
+
 def merged_entries(path: str, remeasure: list[str], recipes: list[str]) -> tuple[
         list[dict[str, Any]], set[tuple], dict[str, Any], list[dict[str, Any]]]:
     """The entries of a table to keep, the (shape, recipe) pairs they measured completely (not measured again), a
@@ -241,7 +246,7 @@ def not_run(todo: list[tuple[Gemm, list[str]]], entries: list[dict[str, Any]], m
     cut = {(shape_key(e), e["recipe"]) for e in entries if e.get("partial")}
     out = []
     for g, names in todo:
-        key = (g.kind, g.N, g.K, g.groups, mode)
+        key = gemm_key(g, mode)
         missing = [r for r in fitting(g) if (key, r) not in complete]
         if missing:
             out.append({"kind": g.kind, "N": g.N, "K": g.K, "groups": g.groups, "names": names, "mode": mode,
@@ -311,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.replace(tmp, out)
 
     def recipes_todo(g: Gemm) -> list[str]:
-        key = (g.kind, g.N, g.K, g.groups, args.mode)
+        key = gemm_key(g, args.mode)
         return [r for r in fitting(g) if r in args.recipes and (key, r) not in done]
 
     n_todo = sum(1 for g, _ in todo if recipes_todo(g))

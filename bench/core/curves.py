@@ -4,6 +4,7 @@ PNG through matplotlib (the ``bench`` extra), or the curves' data as CSV where m
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -83,8 +84,6 @@ def reference_runs(path: Path, report: dict[str, Any]) -> tuple[dict[str, Any], 
     """The baseline run and the noise runs (``baseline_seed*``) of an earlier convergence report written with the same
     preset, steps and settings as ``report``, e.g. to run one more recipe against them in a short GPU call. Each is
     marked with where it came from; the comparison still checks that the inits and first batches match."""
-    import json
-
     data = json.loads(Path(path).read_text())
     prior = data.get("convergence", data)
     if not isinstance(prior, dict) or "runs" not in prior:
