@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Low-precision training (issues 11, 23): speed of FP8 vs the high-precision run, and convergence of every recipe.
 
-One piece (about 750 lines): its three modes share one protocol (the baseline in the same process, the same
+One piece (about 700 lines): its three modes share one protocol (the baseline in the same process, the same
 precision), one recipe list and one report.
 
 Modes (``--mode``, comma-separated; all three by default), each against a baseline *in the same process* with the
@@ -25,14 +25,19 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  ``--step-recipes`` (auto, fp8_rowwise): tokens/s, peak memory, how many GEMMs ran in FP8. A run's
                  tokens/s is the median of ``--step-windows`` (3) equal windows of its timed steps, a recipe's the
                  median over ``--step-repeats`` (1) interleaved runs: one run builds the model in 40-90 s on an
-                 H200, so repeats as separate runs would not fit a call.
+                 H200, so repeats as separate runs would not fit a call. ``--profile``: 3 steps of each recipe's
+                 first run profiled (the window after the warmup; the median of windows keeps it out of the rate),
+                 device time per step by kernel category (attention, optimizer, quantize, GEMMs, copies).
 ``convergence``  ``--conv-steps`` (300) steps of ``--preset`` from the same init (same seed: the callback keeps
                  every module's init; each run records checksums of its first batch and initial weights) on the
                  embedded corpus, baseline then each of ``--recipes`` (``fp8_rowwise`` is FP8 forced on every GEMM
                  a recipe can take; ``auto`` the default choice), then with ``--noise-seed N`` the baseline from
-                 another init (the noise to read the differences against). ``bench8``: the 8-layer bench model
-                 (lr 3e-4); ``tiny``: the main job's model and settings (``examples/configs/tiny.yaml``: lr 3e-3,
-                 8 x 256 tokens, AdamW wd 0.1). Both: warmup min(20, steps / 10), cosine to 0.1 x lr, clip 1.0.
+                 another init (the noise to read the differences against). ``bench8``: the 8-layer bench model,
+                 lr 1e-4, warmup a tenth of the steps, fp32 master weights and AdamW moments at bf16 (at lr 3e-4,
+                 a 20-step warmup and bf16 AdamW state its baseline spiked and two runs of one bf16 program ended
+                 5.6% apart); ``tiny``: the main job's model and settings (``examples/configs/tiny.yaml``: lr 3e-3,
+                 8 x 256 tokens, AdamW wd 0.1, warmup min(20, steps / 10)). ``--conv-lr``, ``--conv-warmup``,
+                 ``--conv-master`` override them. Both: cosine to 0.1 x lr, AdamW wd 0.1, clip 1.0.
                  Smoothed final loss = mean train loss of the last ``--smooth`` (20) steps; relative difference to
                  the baseline (targets: FP8 recipes 1%, MXFP8 / NVFP4 3%). Curves: ``<out stem>_curves.png``
                  (matplotlib, the ``bench`` extra) or ``.csv``. ``--conv-reference JSON``: the baseline and noise
@@ -45,9 +50,9 @@ Emulation: on CPU every recipe runs emulated; MXFP8 / NVFP4 always do (no sm100 
 forces it for the FP8 recipes on CUDA too. ``--small``: toy sizes for a smoke test (tests/test_low_precision_bench.py).
 
 Time: ``--time-limit S`` bounds the whole call. Before each unit (a layer shape, a step run, a convergence run) the
-script checks what is left and skips the unit with a "SKIPPED" line when it cannot fit; a convergence run gets an
-equal share of what is left as Lightning ``max_time`` (a truncated pair is compared at its common length and
-flagged). Every run prints its wall time and seconds per step; the JSON is rewritten after every unit.
+script checks what is left and skips the unit with a "SKIPPED" line when it cannot fit; a convergence run gets a
+share of what is left as Lightning ``max_time``, a forced or emulated recipe's 2.5 times a bf16 run's (a truncated
+pair is compared at its common length and flagged). Every run prints its wall time and seconds per step; the JSON is rewritten after every unit.
 
 GPU (one H200; repository root), the issue 23 recording in two calls:
     python -m bench low_precision --mode layer,step --profile --time-limit 570 \
@@ -88,9 +93,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import moe_layer, train_step
-from bench.core.curves import reference_runs, save_curves
+from bench.core.curves import compare, convergence_table, reference_runs, save_curves
 from bench.core.kernel_profile import profile_lines, profile_step
-from bench.core.text import err as _err, log
+from bench.core.text import err as _err, fmt_cell as _fmt, log
 from lightning_moe.callbacks import LowPrecisionTraining
 
 _HERE = Path(__file__).resolve().parent
@@ -101,6 +106,8 @@ AUTO = "auto"  # LowPrecisionTraining's default: FP8 per GEMM where the crossove
 ALL_RECIPES = (AUTO,) + FP8_RECIPES + ("fp8_blockwise",) + BLOCK_RECIPES
 BASE = "baseline"
 TARGETS = {"fp8": 0.01, "block": 0.03}  # convergence: |relative difference| of the smoothed final loss
+# bench8 convergence: at 3e-4 (and bf16 AdamW state) two runs of the same bf16 program ended 5.6% apart (RESULTS.md)
+BENCH8_LR = 1e-4
 # issue 23's speed targets (bf16 time / FP8 time): the default (auto) never below NEVER_SLOWER anywhere, and at least
 # these where the shapes allow (layer: bench/moe_layer.py's shape names; step: --step-models names)
 NEVER_SLOWER = 0.98
@@ -114,6 +121,7 @@ UNIT_S = {"cuda": {"layer": 25.0, "step": 40.0, "convergence": 45.0}, "cpu": {"l
 # a step run's rough cost relative to "step" (model size, torch.compile)
 STEP_COST = {("qwen8", "eager"): 1.0, ("qwen8", "compiled"): 2.0, ("dsv3", "eager"): 1.5, ("dsv3", "compiled"): 2.5}
 # per convergence run: model build, data setup and teardown, outside Lightning's max_time
+QUANTIZED_RUN_COST = 2.5  # a forced or emulated recipe's convergence run relative to the baseline's, for the shares
 MARGIN_S = {"cuda": 15.0, "cpu": 3.0}
 
 
@@ -155,14 +163,6 @@ def _median_of_repeats(reps: list[dict[str, Any]], key: str) -> dict[str, Any]:
     peaks = [r["peak_gib"] for r in reps if r.get("peak_gib") is not None]
     out["peak_gib"] = max(peaks) if peaks else None
     return out
-
-
-def _fmt(v: Any, spec: str) -> str:
-    """``format(v, spec)``, or "-" right-aligned to the spec's width when ``v`` is None / NaN."""
-    if v is None or (isinstance(v, float) and v != v):
-        width = "".join(c for c in spec.split(".")[0] if c.isdigit())
-        return "-".rjust(int(width) if width else 1)
-    return format(v, spec)
 
 
 # ------------------------------------------------------------------------------------------------ (a) layer
@@ -288,9 +288,10 @@ def _init_checksum_callback() -> Any:
 
 def _run(label: str, cfg: Any, recipe: str, args: argparse.Namespace, device: torch.device, peak: Optional[dict],
          timed: bool, steps: int, seq_len: int, batch_size: int, lr: float, seed: Optional[int] = None,
-         **run_kwargs: Any) -> dict[str, Any]:
+         profile: bool = False, **run_kwargs: Any) -> dict[str, Any]:
+    # profile: 3 steps from the warmup's end, kernels by category (no trace file: a step's trace is ~100 MB)
     ts_args = argparse.Namespace(steps=steps, warmup=args.warmup, precision=args.precision, loss_impl="auto",
-                                 profile=False, out=args.out)
+                                 profile=profile, profile_trace=False, out=args.out)
     chk = _init_checksum_callback()
     extra = (chk,) if recipe == BASE else (chk, _callback(recipe, args))
     seed = args.seed if seed is None else seed
@@ -344,7 +345,7 @@ def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -
                     continue
                 variant = "auto+compile" if mode == "compiled" else ""
                 r = _run(f"{m}-{mode}" + ("-small" if args.small else ""), cfg, recipe, args, device, peak, True,
-                         args.steps, seq_len, batch_size, 3e-4, variant=variant)
+                         args.steps, seq_len, batch_size, 3e-4, variant=variant, profile=args.profile and rep == 0)
                 r.pop("losses", None)
                 windows = step_windows(r.get("step_times_s") or [], args.warmup, args.step_windows,
                                        batch_size * seq_len)
@@ -358,7 +359,8 @@ def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -
             done = [r for r in reps[(m, mode, recipe)] if r.get("tokens_per_s")]
             base_fields = {"model": m, "mode": mode, "recipe": recipe, "repeats": len(done)}
             if done:
-                cell.append({**_median_of_repeats(done, "tokens_per_s"), **base_fields})
+                prof = {k: done[0][k] for k in ("profile_categories_ms", "profile_top") if k in done[0]}
+                cell.append({**_median_of_repeats(done, "tokens_per_s"), **prof, **base_fields})
             else:
                 first = reps[(m, mode, recipe)][0] if reps[(m, mode, recipe)] else {"skipped": "time limit"}
                 cell.append({**first, **base_fields})
@@ -370,6 +372,10 @@ def bench_step(args: argparse.Namespace, device: torch.device, budget: Budget) -
                 r["target"] = speed_target("step", m, r["recipe"])
         runs += cell
     log(step_table(runs))
+    for r in runs:
+        if r.get("profile_categories_ms"):
+            log(f"profile {r['model']} {r['mode']} {r['recipe']} (device ms per step): "
+                + "  ".join(f"{k} {v:.1f}" for k, v in r["profile_categories_ms"].items()))
     return runs
 
 
@@ -397,11 +403,6 @@ def step_table(runs: list[dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ (c) convergence
-def smoothed(losses: list[float], n: int) -> float:
-    tail = [v for v in losses[-n:] if v == v]
-    return sum(tail) / len(tail) if tail else float("nan")
-
-
 def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The main job's model, data and optimisation settings (examples/configs/tiny.yaml)."""
     import yaml
@@ -418,15 +419,30 @@ def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench8_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {"cfg": _bench8_config(args), "lr": 3e-4, "seq_len": args.seq_len, "batch_size": args.batch_size,
+    return {"cfg": _bench8_config(args), "lr": BENCH8_LR, "seq_len": args.seq_len, "batch_size": args.batch_size,
             "module": {"min_lr_ratio": 0.1, "weight_decay": 0.1}, "data": {}, "clip": 1.0,
             "source": "bench/train_step.py qwen_config (8 layers)"}
 
 
-def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Budget) -> dict[str, Any]:
+def convergence_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset's model, data and optimisation settings with ``--conv-lr`` / ``--conv-warmup`` /
+    ``--conv-master`` applied: ``lr``, ``warmup`` (steps) and ``master`` ("fp32" or "none") always set."""
     s = _tiny_settings(args) if args.preset == "tiny" else _bench8_settings(args)
     steps = args.conv_steps
-    warmup = max(1, min(20, steps // 10))
+    if args.conv_lr is not None:
+        s["lr"] = args.conv_lr
+    # the main job's warmup for tiny; bench8 a tenth of the run (a 20-step ramp to 3e-4 spiked its bf16 baseline)
+    s["warmup"] = args.conv_warmup if args.conv_warmup is not None else max(
+        1, steps // 10 if args.preset == "bench8" else min(20, steps // 10))
+    s["master"] = args.conv_master if args.conv_master != "auto" else (
+        "fp32" if args.preset == "bench8" and args.precision.startswith("bf16") else "none")
+    return s
+
+
+def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Budget) -> dict[str, Any]:
+    s = convergence_settings(args)
+    steps, warmup = args.conv_steps, s["warmup"]
+    variant = "auto+master" if s["master"] == "fp32" else ""
     report: dict[str, Any] = {"preset": args.preset, "settings": {k: v for k, v in s.items() if k != "cfg"},
                               "warmup_steps": warmup, "steps": steps, "smooth": args.smooth, "runs": [], "summary": []}
     report["settings"]["precision"] = args.precision
@@ -438,9 +454,12 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Bu
     ref = reference_runs(Path(args.conv_reference), report) if args.conv_reference else None
     if ref:  # the baseline and noise runs of an earlier report: only the recipes run here
         names = [n for n in names[1:] if n[1] != BASE]
+    # a run's share of what is left goes by its expected cost: a quantizing recipe's step is slower than bf16's
+    # (forced fp8_rowwise on the bench8 H200 run: 0.50 vs 0.19 s a step, and 64 s of first-step autotuning)
+    weights = [1.0 if recipe in (BASE, AUTO) else QUANTIZED_RUN_COST for _, recipe, _ in names]
     for i, (label, recipe, seed) in enumerate(names):
         left = budget.left()
-        share = left / (len(names) - i)  # equal shares of what is left
+        share = left * weights[i] / sum(weights[i:])
         if not budget.allows(UNIT_S[device.type]["convergence"], f"convergence {args.preset} {label}"):
             report["runs"].append({"model": f"{args.preset}-{label}", "recipe": label, "skipped": "time limit",
                                    "losses": []})
@@ -451,7 +470,7 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Bu
             trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
             log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
         r = _run(args.preset, s["cfg"], recipe, args, device, None, False, steps, s["seq_len"], s["batch_size"],
-                 s["lr"], seed=seed, module_kwargs={"warmup_steps": warmup, **s["module"]},
+                 s["lr"], seed=seed, module_kwargs={"warmup_steps": warmup, **s["module"]}, variant=variant,
                  trainer_kwargs=trainer_kwargs, data_kwargs=s["data"])
         r["recipe"] = label
         r["truncated"] = len(r["losses"]) < steps
@@ -463,65 +482,14 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Bu
         report["runs"] = [ref[0], *report["runs"], *ref[1]]
     base = report["runs"][0]
     for r in report["runs"][1:]:
-        report["summary"].append(compare(base, r, args, steps))
+        noise = r["recipe"].startswith(f"{BASE}_seed")  # another init: its difference is the noise, no target
+        target = None if noise else TARGETS["block" if r["recipe"] in BLOCK_RECIPES else "fp8"]
+        report["summary"].append(compare(base, r, steps, args.smooth, target, noise, model=args.preset,
+                                         emulate=r.get("emulate"), precision=args.precision))
     log(convergence_table(report))
     path = save_curves(report["runs"], Path(args.out), args.smooth, f"{args.preset}, {args.precision}")
     report["curves"] = str(path) if path else None
     return report
-
-
-def compare(base: dict[str, Any], r: dict[str, Any], args: argparse.Namespace, steps: int) -> dict[str, Any]:
-    recipe = r["recipe"]
-    noise = recipe.startswith(f"{BASE}_seed")  # another init: its difference is the noise, it has no target
-    target = None if noise else TARGETS["block" if recipe in BLOCK_RECIPES else "fp8"]
-    s: dict[str, Any] = {"model": args.preset, "recipe": recipe, "steps": steps, "target": target,
-                         "emulate": r.get("emulate"), "precision": args.precision}
-    if r.get("skipped") or base.get("skipped"):
-        s["note"] = "skipped (time limit)"
-        return s
-    n = min(len(base["losses"]), len(r["losses"]))
-    s["compared_steps"] = n
-    if n == 0:
-        s["note"] = r.get("error") or base.get("error") or "no losses"
-        return s
-    b, q = smoothed(base["losses"][:n], args.smooth), smoothed(r["losses"][:n], args.smooth)
-    s.update({"baseline_final": b, "final": q, "rel_diff": (q - b) / b,
-              "same_init": r.get("init_checksum") == base.get("init_checksum"),
-              "same_data": r.get("first_batch_checksum") == base.get("first_batch_checksum"),
-              "seconds": r.get("wall_s"), "mean_step_s": r.get("mean_step_s")})
-    if noise:
-        s["note"] = "bf16 from another init: the noise"
-        s["ok"] = None
-    elif n < steps:
-        s["note"] = f"compared at step {n} of {steps} (truncated)"
-        s["ok"] = None
-    else:
-        s["ok"] = abs(s["rel_diff"]) <= target and s["same_init"] and s["same_data"]
-    if r.get("error"):
-        s["error"] = r["error"]
-    return s
-
-
-def convergence_table(report: dict[str, Any]) -> str:
-    lines = [f"convergence: {report['preset']}, {report['steps']} steps, precision {report['settings']['precision']}, "
-             f"final = mean train loss of the last steps",
-             f"{'recipe':15s} {'steps':>6s} {'final':>8s} {'baseline':>9s} {'rel diff':>9s} {'target':>7s} "
-             f"{'ok':>5s} {'s/step':>7s} {'wall s':>7s}  note"]
-    base = report["runs"][0] if report["runs"] else {}
-    lines.append(f"{BASE:15s} {len(base.get('losses', [])):6d} {_fmt(smoothed(base.get('losses', []), report['smooth']), '8.4f')} "
-                 f"{'':9s} {'':9s} {'':7s} {'':5s} {_fmt(base.get('mean_step_s'), '7.3f')} "
-                 f"{_fmt(base.get('wall_s'), '7.0f')}  {base.get('skipped') or base.get('error') or ''}")
-    for s in report["summary"]:
-        rd = s.get("rel_diff")
-        lines.append(f"{s['recipe']:15s} {s.get('compared_steps', 0):6d} {_fmt(s.get('final'), '8.4f')} "
-                     f"{_fmt(s.get('baseline_final'), '9.4f')} "
-                     f"{'-' if rd is None else format(100 * rd, '+8.2f') + '%':>9s} "
-                     f"{'' if s['target'] is None else format(100 * s['target'], '6.0f') + '%':>7s} "
-                     f"{str(s.get('ok', '-')):>5s} {_fmt(s.get('mean_step_s'), '7.3f')} "
-                     f"{_fmt(s.get('seconds'), '7.0f')}  {s.get('note', '')} {s.get('error', '')}"
-                     f"{'' if s.get('same_init', True) or s['target'] is None else ' DIFFERENT INIT'}"
-                     f"{'' if s.get('same_data', True) else ' DIFFERENT DATA'}")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -585,9 +553,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "difference to the first baseline is the noise the recipes' differences are read against")
     g.add_argument("--conv-reference", default=None, metavar="JSON", help="take the baseline and noise runs from "
                    "this earlier report (same settings) and run only --recipes")
+    g.add_argument("--conv-lr", type=float, default=None, help=f"peak learning rate (default: bench8 {BENCH8_LR:g}, "
+                   "tiny the main job's)")
+    g.add_argument("--conv-warmup", type=int, default=None, help="warmup steps (default: bench8 a tenth of the "
+                   "steps, tiny min(20, steps / 10))")
+    g.add_argument("--conv-master", choices=["auto", "fp32", "none"], default="auto", help="fp32 master weights and "
+                   "AdamW moments in every run (MoELanguageModel(master_dtype='fp32')); auto: on for bench8 at bf16")
     g = p.add_argument_group("profile")
     g.add_argument("--profile", action="store_true", help="layer mode: profile one fwd+bwd of the baseline and of "
-                   "--profile-recipes at each shape (device time by kernel category, top kernels)")
+                   "--profile-recipes at each shape; step mode: 3 steps of every first run (device time by kernel "
+                   "category, top kernels)")
     g.add_argument("--profile-recipes", default="fp8_rowwise")
     a = p.parse_args(argv)
     for k, full, tiny in (("iters", 20, 2), ("warmup", 5, 1), ("steps", 29, 4), ("conv_steps", 300, 8),

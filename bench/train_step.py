@@ -131,11 +131,13 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
         prof = None
         if getattr(args, "profile", False) and timed and not getattr(args, "_profiled", False):
             args._profiled = True  # the first timed run only
-            prof = step_profiler(args.warmup, 3, Path(args.out).with_suffix(".trace.json"))
+            trace = Path(args.out).with_suffix(".trace.json") if getattr(args, "profile_trace", True) else None
+            prof = step_profiler(args.warmup, 3, trace)
             trainer.callbacks.append(prof)
         trainer.fit(model, datamodule=dm)
         if prof is not None:
-            res["profile_top"] = prof.table
+            prof.finish()  # a run shorter than the window
+            res["profile_top"], res["profile_categories_ms"] = prof.table, prof.categories
         if module is None:
             res["impl"] = _ours_impl(model, variant)
         res["param_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
@@ -185,9 +187,11 @@ def parse_variant(variant: str) -> tuple[str, set[str]]:
     return loss_impl or "auto", set(extras)
 
 
-def step_profiler(start: int, n: int, trace: Path, on_trace: Optional[Callable[[Path, int], Any]] = None) -> Any:
+def step_profiler(start: int, n: int, trace: Optional[Path],
+                  on_trace: Optional[Callable[[Path, int], Any]] = None) -> Any:
     """A Lightning callback running torch.profiler over ``n`` optimizer steps from step ``start``: prints the top
-    kernels by self time (kept in ``.table``) and writes a Chrome trace; ``on_trace(trace, steps)`` then reads it (its
+    kernels by self time (kept in ``.table``), keeps the device time per step by kernel category (``.categories``,
+    ms; CUDA) and writes a Chrome trace (unless ``trace`` is None); ``on_trace(trace, steps)`` then reads it (its
     result kept in ``.analysis``). ``finish()`` closes a window that training ended inside (fewer steps)."""
     import lightning as L
 
@@ -197,6 +201,7 @@ def step_profiler(start: int, n: int, trace: Path, on_trace: Optional[Callable[[
             self.table = ""
             self.steps = 0  # optimizer steps inside the window
             self.analysis: Any = None
+            self.categories: dict[str, float] = {}
 
         def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
             if trainer.global_step == start:
@@ -220,8 +225,15 @@ def step_profiler(start: int, n: int, trace: Path, on_trace: Optional[Callable[[
             try:
                 self.table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
                 log(f"\nprofile of {self.steps} steps (from step {start}):\n{self.table}")
-                self.prof.export_chrome_trace(str(trace))
-                if on_trace is not None:
+                if torch.cuda.is_available() and self.steps:
+                    from bench.core.kernel_profile import kernel_categories
+
+                    self.categories = kernel_categories(self.prof, self.steps)
+                    log("device ms per step by kernel category: "
+                        + "  ".join(f"{k} {v:.2f}" for k, v in self.categories.items()))
+                if trace is not None:
+                    self.prof.export_chrome_trace(str(trace))
+                if on_trace is not None and trace is not None:
                     self.analysis = on_trace(trace, self.steps)
             except Exception as e:  # reported, never a failed training run
                 log(f"profile table, trace export or analysis failed: {_err(e)}")

@@ -99,3 +99,42 @@ def test_conv_reference_runs_only_the_recipes_against_an_earlier_baseline(bench,
     assert nvfp4["same_init"] and nvfp4["same_data"] and nvfp4["compared_steps"] == 3 and noise["ok"] is None
     with pytest.raises(SystemExit, match="steps"):
         _run(bench, tmp_path / "c", *conv, "--conv-steps", "4", "--conv-reference", str(first_out))
+
+
+def test_convergence_settings_bench8_defaults_and_overrides(bench):
+    """bench8: lr 1e-4, a tenth of the steps as warmup and fp32 masters at bf16; tiny: the main job's settings
+    (examples/configs/tiny.yaml) and no masters; the --conv-* options override either, and the report keeps them."""
+    b8 = bench.convergence_settings(bench.parse_args(["--device", "cpu", "--small", "--preset", "bench8",
+                                                      "--precision", "bf16-true", "--conv-steps", "300"]))
+    assert (b8["lr"], b8["warmup"], b8["master"]) == (1e-4, 30, "fp32")
+    fp32 = bench.convergence_settings(bench.parse_args(["--device", "cpu", "--small", "--preset", "bench8"]))
+    assert fp32["master"] == "none"  # 32-true: the parameters are the masters
+    tiny = bench.convergence_settings(bench.parse_args(["--device", "cpu", "--conv-steps", "300"]))
+    assert (tiny["lr"], tiny["warmup"], tiny["master"]) == (3e-3, 20, "none")
+    over = bench.convergence_settings(bench.parse_args(["--device", "cpu", "--preset", "bench8", "--conv-lr", "3e-4",
+                                                        "--conv-warmup", "20", "--conv-master", "none"]))
+    assert (over["lr"], over["warmup"], over["master"]) == (3e-4, 20, "none")
+
+
+def test_kernel_categories_sum_device_time_per_step():
+    """Kernels by name: a flash kernel is attention, a GEMM whose name says FP8 an FP8 GEMM (also a CUTLASS rowwise
+    one, whose name says "rowwise" like a cast does), other FP8 kernels quantization; CPU ops left out; ms per step
+    over the profiled iterations, largest first."""
+    from types import SimpleNamespace as E
+
+    from bench.core.kernel_profile import kernel_categories
+
+    cuda = "DeviceType.CUDA"
+    events = [E(key="flash_bwd_dq_dk_dv_loop_kernel", self_device_time_total=3000.0, device_type=cuda),
+              E(key="nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", self_device_time_total=6000.0, device_type=cuda),
+              E(key="multi_tensor_apply_kernel<FusedAdamMathFunctor>", self_device_time_total=900.0, device_type=cuda),
+              E(key="cutlass::device_kernel<f8f8bf16_rowwise>", self_device_time_total=1500.0, device_type=cuda),
+              E(key="_fused_rowwise_quantize_kernel", self_device_time_total=600.0, device_type=cuda),
+              E(key="unrolled_elementwise_kernel<c10::Float8_e4m3fn>", self_device_time_total=150.0, device_type=cuda),
+              E(key="index_copy_kernel", self_device_time_total=90.0, device_type=cuda),
+              E(key="aten::mm", self_device_time_total=0.0, device_type="DeviceType.CPU"),
+              E(key="vectorized_elementwise_kernel", self_device_time_total=300.0, device_type=cuda)]
+    cats = kernel_categories(E(key_averages=lambda: events), iters=3)
+    assert cats == pytest.approx({"bf16 GEMM": 2.0, "attention": 1.0, "fp8 GEMM": 0.5, "optimizer": 0.3,
+                                  "quantize": 0.25, "other": 0.1, "copy / pad": 0.03})
+    assert list(cats)[:3] == ["bf16 GEMM", "attention", "fp8 GEMM"]

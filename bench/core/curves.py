@@ -1,5 +1,6 @@
 """Loss curves of convergence runs (``bench/low_precision.py``, ``bench/precision_seeds.py``): a moving average and a
-PNG through matplotlib (the ``bench`` extra), or the curves' data as CSV where matplotlib is missing."""
+PNG through matplotlib (the ``bench`` extra), or the curves' data as CSV where matplotlib is missing; a run's final
+loss and its comparison with the baseline from the same init and batches."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from bench.core.text import log
+from bench.core.text import fmt_cell, log
 
 BASE = "baseline"  # the run the others are compared with (bench/low_precision.py's name for it)
 
@@ -97,3 +98,68 @@ def reference_runs(path: Path, report: dict[str, Any]) -> tuple[dict[str, Any], 
         raise SystemExit(f"--conv-reference {path}: no baseline run with losses in it")
     noise = [r for r in prior["runs"] if str(r.get("recipe", "")).startswith(f"{BASE}_seed") and r.get("losses")]
     return ({**base[0], "from": str(path)}, [{**r, "from": str(path)} for r in noise])
+
+
+def smoothed(losses: list[float], n: int) -> float:
+    """The final loss of a run: the mean of its last ``n`` finite losses (NaN when there are none)."""
+    tail = [v for v in losses[-n:] if v == v]
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def compare(base: dict[str, Any], r: dict[str, Any], steps: int, smooth: int, target: Optional[float],
+            noise: bool, **fields: Any) -> dict[str, Any]:
+    """Run ``r`` against the baseline ``base``: their final losses (``smooth`` steps) over the steps both have,
+    the relative difference, whether the inits and first batches match, and ``ok`` (within ``target``, same init and
+    data, all ``steps`` run). ``noise``: ``r`` is the baseline from another init, the spread the others are read
+    against (no target, ``ok`` None). ``fields`` go into the result as they are."""
+    s: dict[str, Any] = {**fields, "recipe": r["recipe"], "steps": steps, "target": target}
+    if r.get("skipped") or base.get("skipped"):
+        s["note"] = "skipped (time limit)"
+        return s
+    n = min(len(base["losses"]), len(r["losses"]))
+    s["compared_steps"] = n
+    if n == 0:
+        s["note"] = r.get("error") or base.get("error") or "no losses"
+        return s
+    b, q = smoothed(base["losses"][:n], smooth), smoothed(r["losses"][:n], smooth)
+    s.update({"baseline_final": b, "final": q, "rel_diff": (q - b) / b,
+              "same_init": r.get("init_checksum") == base.get("init_checksum"),
+              "same_data": r.get("first_batch_checksum") == base.get("first_batch_checksum"),
+              "seconds": r.get("wall_s"), "mean_step_s": r.get("mean_step_s")})
+    if noise:
+        s["note"] = "bf16 from another init: the noise"
+        s["ok"] = None
+    elif n < steps:
+        s["note"] = f"compared at step {n} of {steps} (truncated)"
+        s["ok"] = None
+    else:
+        s["ok"] = target is not None and abs(s["rel_diff"]) <= target and s["same_init"] and s["same_data"]
+    if r.get("error"):
+        s["error"] = r["error"]
+    return s
+
+
+def convergence_table(report: dict[str, Any]) -> str:
+    """The baseline's final loss, then each ``compare`` summary of ``report["summary"]`` on a line."""
+    st = report["settings"]
+    lines = [f"convergence: {report['preset']}, {report['steps']} steps, precision {st['precision']}"
+             + (f", lr {st['lr']:g}" if "lr" in st else "") + (f", master {st['master']}" if st.get("master") else "")
+             + f", final = mean train loss of the last {report['smooth']} steps",
+             f"{'recipe':15s} {'steps':>6s} {'final':>8s} {'baseline':>9s} {'rel diff':>9s} {'target':>7s} "
+             f"{'ok':>5s} {'s/step':>7s} {'wall s':>7s}  note"]
+    base = report["runs"][0] if report["runs"] else {}
+    lines.append(f"{BASE:15s} {len(base.get('losses', [])):6d} "
+                 f"{fmt_cell(smoothed(base.get('losses', []), report['smooth']), '8.4f')} "
+                 f"{'':9s} {'':9s} {'':7s} {'':5s} {fmt_cell(base.get('mean_step_s'), '7.3f')} "
+                 f"{fmt_cell(base.get('wall_s'), '7.0f')}  {base.get('skipped') or base.get('error') or ''}")
+    for s in report["summary"]:
+        rd = s.get("rel_diff")
+        lines.append(f"{s['recipe']:15s} {s.get('compared_steps', 0):6d} {fmt_cell(s.get('final'), '8.4f')} "
+                     f"{fmt_cell(s.get('baseline_final'), '9.4f')} "
+                     f"{'-' if rd is None else format(100 * rd, '+8.2f') + '%':>9s} "
+                     f"{'' if s['target'] is None else format(100 * s['target'], '6.0f') + '%':>7s} "
+                     f"{str(s.get('ok', '-')):>5s} {fmt_cell(s.get('mean_step_s'), '7.3f')} "
+                     f"{fmt_cell(s.get('seconds'), '7.0f')}  {s.get('note', '')} {s.get('error', '')}"
+                     f"{'' if s.get('same_init', True) or s['target'] is None else ' DIFFERENT INIT'}"
+                     f"{'' if s.get('same_data', True) else ' DIFFERENT DATA'}")
+    return "\n".join(lines)

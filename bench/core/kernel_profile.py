@@ -1,5 +1,5 @@
 """Where a layer step's device time goes (``bench/low_precision.py --profile``): one profiled step, its kernels summed
-by category (bf16 GEMM, FP8 GEMM, quantize, copy / pad, other) and the top kernels."""
+by category (attention, optimizer, quantize, FP8 GEMM, bf16 GEMM, copy / pad, other) and the top kernels."""
 
 from __future__ import annotations
 
@@ -18,22 +18,40 @@ def profile_lines(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-# kernel name fragments -> category, first match wins (CUDA kernel names of torch 2.11 / torchao 0.18 / ours)
-KERNEL_CATEGORIES = (("quantize", ("quant", "scale_and_cast", "colwise", "rowwise", "amax", "to_fp8", "cast_")),
-                     ("fp8 GEMM", ("f8", "fp8", "e4m3", "scaled_mm", "scaled_grouped")),
-                     ("bf16 GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "grouped_mm", "matmul")),
-                     ("copy / pad", ("copy", "index", "fill", "zero", "cat", "gather", "scatter", "pad")))
+# kernel name fragments (CUDA kernel names of torch 2.11 / torchao 0.18 / ours): attention and the optimizer's
+# multi-tensor kernels (train steps only) first; then a GEMM is an FP8 GEMM when its name also says FP8 (a CUTLASS
+# rowwise scaled_mm names "rowwise" too); of the rest, FP8 casts and scale kernels are quantization
+ATTENTION_KEYS = ("flash", "fmha", "attn")
+OPTIMIZER_KEYS = ("adam", "multi_tensor")
+GEMM_KEYS = ("gemm", "xmma", "cutlass", "nvjet", "grouped_mm", "matmul", "scaled_mm")
+FP8_KEYS = ("f8", "fp8", "e4m3", "e5m2", "scaled")
+QUANTIZE_KEYS = ("quant", "scale_and_cast", "colwise", "rowwise", "amax", "cast_", *FP8_KEYS)
+COPY_KEYS = ("copy", "index", "fill", "zero", "cat", "gather", "scatter", "pad")
+
+
+def kernel_category(name: str) -> str:
+    """attention, optimizer, fp8 GEMM, bf16 GEMM, quantize, copy / pad or other, from a kernel's name."""
+    name = name.lower()
+    if any(k in name for k in ATTENTION_KEYS):
+        return "attention"
+    if any(k in name for k in OPTIMIZER_KEYS):
+        return "optimizer"
+    if any(k in name for k in GEMM_KEYS):
+        return "fp8 GEMM" if any(k in name for k in FP8_KEYS) else "bf16 GEMM"
+    if any(k in name for k in QUANTIZE_KEYS):
+        return "quantize"
+    return "copy / pad" if any(k in name for k in COPY_KEYS) else "other"
 
 
 def kernel_categories(prof: Any, iters: int) -> dict[str, float]:
-    """Device time per step by kernel category from a profiler's key averages (kernels only, no CPU ops)."""
+    """Device time per step by kernel category from a profiler's key averages (kernels only, no CPU ops), largest
+    first."""
     cats: dict[str, float] = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0.0) or 0.0
         if us <= 0 or getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU"):
             continue
-        name = e.key.lower()
-        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+        cat = kernel_category(e.key)
         cats[cat] = cats.get(cat, 0.0) + us / 1000.0 / iters
     return dict(sorted(cats.items(), key=lambda kv: -kv[1]))
 

@@ -17,6 +17,14 @@ def fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def fmt_cell(v: Any, spec: str) -> str:
+    """``format(v, spec)``, or "-" right-aligned to the spec's width when ``v`` is None / NaN (table columns)."""
+    if v is None or (isinstance(v, float) and v != v):
+        width = "".join(c for c in spec.split(".")[0] if c.isdigit())
+        return "-".rjust(int(width) if width else 1)
+    return format(v, spec)
+
+
 def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A markdown table with padded columns."""
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
