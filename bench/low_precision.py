@@ -40,8 +40,11 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  ``--conv-master`` override them. Both: cosine to 0.1 x lr, AdamW wd 0.1, clip 1.0.
                  Smoothed final loss = mean train loss of the last ``--smooth`` (20) steps; relative difference to
                  the baseline (targets: FP8 recipes 1%, MXFP8 / NVFP4 3%). Curves: ``<out stem>_curves.png``
-                 (matplotlib, the ``bench`` extra) or ``.csv``. ``--conv-reference JSON``: the baseline and noise
-                 runs of an earlier report with the same settings, only ``--recipes`` run (a short GPU call).
+                 (matplotlib, the ``bench`` extra) or ``.csv``. ``--conv-seeds 0,1,2``: every init seed runs the
+                 baseline and each recipe, paired: the mean (sd, min, max) of the per-seed differences is what the
+                 targets read. ``--conv-reference JSON ...``: the finished runs of earlier reports with the same
+                 settings are kept and only the missing (recipe, seed) runs run (seeds spread over calls; nothing
+                 missing: a merge, on any machine).
 
 Targets (issue 23, bf16 time / FP8 time of the default ``auto``): at least 0.98 everywhere (never slower), Mixtral
 layer 1.3, DeepSeek-V3 layer 1.1, DeepSeek-V3-shaped step 1.1 (``SPEED_TARGETS``); printed beside each ratio.
@@ -93,7 +96,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import moe_layer, train_step
-from bench.core.curves import compare, convergence_table, reference_runs, save_curves
+from bench.core.curves import (compare, convergence_table, paired_stats, reference_runs, run_arm, run_label,
+                               save_curves)
 from bench.core.kernel_profile import profile_lines, profile_step
 from bench.core.text import err as _err, fmt_cell as _fmt, log
 from lightning_moe.callbacks import LowPrecisionTraining
@@ -446,46 +450,63 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Bu
     report: dict[str, Any] = {"preset": args.preset, "settings": {k: v for k, v in s.items() if k != "cfg"},
                               "warmup_steps": warmup, "steps": steps, "smooth": args.smooth, "runs": [], "summary": []}
     report["settings"]["precision"] = args.precision
-    # (label, recipe, seed): the baseline, each recipe from the same init, then (--noise-seed) the baseline from
-    # another init, whose difference to the first is the run-to-run noise the recipes' differences sit beside
-    names = [(BASE, BASE, args.seed), *((r, r, args.seed) for r in args.recipes)]
-    if args.noise_seed is not None:
-        names.append((f"{BASE}_seed{args.noise_seed}", BASE, args.noise_seed))
-    ref = reference_runs(Path(args.conv_reference), report) if args.conv_reference else None
-    if ref:  # the baseline and noise runs of an earlier report: only the recipes run here
-        names = [n for n in names[1:] if n[1] != BASE]
+    # (arm, seed): per init seed the baseline and each recipe from that init (a paired comparison), then
+    # (--noise-seed) the baseline from another init, whose difference to the first is the noise
+    seeds = args.conv_seeds or (args.seed,)
+    wanted = [(arm, sd) for sd in seeds for arm in (BASE, *args.recipes)]
+    if args.noise_seed is not None and (BASE, args.noise_seed) not in wanted:
+        wanted.append((BASE, args.noise_seed))
+    refs = reference_runs([Path(p) for p in args.conv_reference], report) if args.conv_reference else []
+    have = {(run_arm(r), int(r.get("seed", 0))) for r in refs}
+    todo = [w for w in wanted if w not in have]  # what earlier reports (--conv-reference) did not run
     # a run's share of what is left goes by its expected cost: a quantizing recipe's step is slower than bf16's
     # (forced fp8_rowwise on the bench8 H200 run: 0.50 vs 0.19 s a step, and 64 s of first-step autotuning)
-    weights = [1.0 if recipe in (BASE, AUTO) else QUANTIZED_RUN_COST for _, recipe, _ in names]
-    for i, (label, recipe, seed) in enumerate(names):
+    weights = [1.0 if arm in (BASE, AUTO) else QUANTIZED_RUN_COST for arm, _ in todo]
+    new: list[dict[str, Any]] = []
+    for i, (arm, seed) in enumerate(todo):
+        label = run_label(arm, seed, args.seed)
         left = budget.left()
         share = left * weights[i] / sum(weights[i:])
         if not budget.allows(UNIT_S[device.type]["convergence"], f"convergence {args.preset} {label}"):
-            report["runs"].append({"model": f"{args.preset}-{label}", "recipe": label, "skipped": "time limit",
-                                   "losses": []})
+            new.append({"model": f"{args.preset}-{label}", "recipe": label, "arm": arm, "seed": seed,
+                        "skipped": "time limit", "losses": []})
             continue
         trainer_kwargs: dict[str, Any] = {"gradient_clip_val": s["clip"]}
         if math.isfinite(share):
             train_s = max(1.0, share - MARGIN_S[device.type])
             trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
             log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
-        r = _run(args.preset, s["cfg"], recipe, args, device, None, False, steps, s["seq_len"], s["batch_size"],
+        r = _run(args.preset, s["cfg"], arm, args, device, None, False, steps, s["seq_len"], s["batch_size"],
                  s["lr"], seed=seed, module_kwargs={"warmup_steps": warmup, **s["module"]}, variant=variant,
                  trainer_kwargs=trainer_kwargs, data_kwargs=s["data"])
-        r["recipe"] = label
+        r["recipe"], r["arm"] = label, arm
         r["truncated"] = len(r["losses"]) < steps
         if r["truncated"]:
             log(f"convergence {args.preset} {label}: stopped after {len(r['losses'])} of {steps} steps "
                 f"({'error' if 'error' in r else 'time limit'})")
-        report["runs"].append(r)
-    if ref:
-        report["runs"] = [ref[0], *report["runs"], *ref[1]]
-    base = report["runs"][0]
-    for r in report["runs"][1:]:
-        noise = r["recipe"].startswith(f"{BASE}_seed")  # another init: its difference is the noise, no target
-        target = None if noise else TARGETS["block" if r["recipe"] in BLOCK_RECIPES else "fp8"]
-        report["summary"].append(compare(base, r, steps, args.smooth, target, noise, model=args.preset,
-                                         emulate=r.get("emulate"), precision=args.precision))
+        new.append(r)
+    order = {w: k for k, w in enumerate(wanted)}  # the first seed's runs first, its baseline first
+    report["runs"] = sorted([*refs, *new], key=lambda r: (order.get((run_arm(r), int(r.get("seed", 0))), len(order)),
+                                                           int(r.get("seed", 0)) != args.seed, run_arm(r) != BASE))
+    for r in report["runs"]:
+        r["recipe"] = run_label(run_arm(r), int(r.get("seed", 0)), args.seed)
+    bases = {int(r.get("seed", 0)): r for r in report["runs"] if run_arm(r) == BASE}
+    base = bases.get(args.seed, report["runs"][0])
+    for r in report["runs"]:
+        if r is base:
+            continue
+        arm, seed = run_arm(r), int(r.get("seed", 0))
+        noise = arm == BASE  # another init: its difference is the noise, no target
+        target = None if noise else TARGETS["block" if arm in BLOCK_RECIPES else "fp8"]
+        pair = base if noise else bases.get(seed)
+        fields = {"model": args.preset, "emulate": r.get("emulate"), "precision": args.precision, "arm": arm,
+                  "seed": seed}
+        if pair is None:
+            report["summary"].append({**fields, "recipe": r["recipe"], "steps": steps, "target": target,
+                                      "note": f"no {BASE} run of seed {seed}"})
+            continue
+        report["summary"].append(compare(pair, r, steps, args.smooth, target, noise, **fields))
+    report["paired"] = paired_stats(report["summary"])
     log(convergence_table(report))
     path = save_curves(report["runs"], Path(args.out), args.smooth, f"{args.preset}, {args.precision}")
     report["curves"] = str(path) if path else None
@@ -551,8 +572,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--smooth", type=int, default=None, help="steps averaged for the final loss (default 20; 3 small)")
     g.add_argument("--noise-seed", type=int, default=None, help="also run the baseline from this init seed: its "
                    "difference to the first baseline is the noise the recipes' differences are read against")
-    g.add_argument("--conv-reference", default=None, metavar="JSON", help="take the baseline and noise runs from "
-                   "this earlier report (same settings) and run only --recipes")
+    g.add_argument("--conv-seeds", default=None, help="comma-separated init seeds (default: --seed): each runs the "
+                   "baseline and every recipe from that init; the target reads the mean paired difference")
+    g.add_argument("--conv-reference", default=None, nargs="+", metavar="JSON", help="the finished runs of earlier "
+                   "reports (same settings): only the (recipe, seed) runs they lack run here; none left: a merge")
     g.add_argument("--conv-lr", type=float, default=None, help=f"peak learning rate (default: bench8 {BENCH8_LR:g}, "
                    "tiny the main job's)")
     g.add_argument("--conv-warmup", type=int, default=None, help="warmup steps (default: bench8 a tenth of the "
@@ -592,6 +615,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a.profile_recipes = _recipes(a.profile_recipes, ALL_RECIPES, "--profile-recipes")
     a.step_models = _recipes(a.step_models, STEP_MODELS, "--step-models")
     a.step_modes = _recipes(a.step_modes, STEP_MODES, "--step-modes")
+    try:
+        a.conv_seeds = tuple(dict.fromkeys(int(v) for v in a.conv_seeds.split(",") if v.strip())) \
+            if a.conv_seeds else None
+    except ValueError:
+        raise SystemExit(f"--conv-seeds: comma-separated integers, got {a.conv_seeds!r}") from None
     return a
 
 

@@ -84,21 +84,47 @@ def test_time_limit_skips_units_with_a_message(bench, tmp_path, capsys):
     assert capsys.readouterr().out.count("SKIPPED") == 1 + 2 * 3 + 3 + 1
 
 
-def test_conv_reference_runs_only_the_recipes_against_an_earlier_baseline(bench, tmp_path):
-    """--conv-reference: the baseline and noise runs come from an earlier report (not run again), only --recipes
-    run, and the comparison still checks the init; a report of other settings is refused."""
+def test_conv_reference_runs_only_what_earlier_reports_lack(bench, tmp_path, capsys):
+    """--conv-reference: the finished runs of earlier reports are kept (not run again), only the missing (recipe,
+    seed) runs run, and each comparison still checks the init; a report of other settings is refused."""
     conv = ["--mode", "convergence", "--recipes", "fp8_rowwise"]
     first, first_out = _run(bench, tmp_path / "a", *conv)
-    prior = first["convergence"]["runs"]
-    again, _ = _run(bench, tmp_path / "b", *conv[:2], "--recipes", "nvfp4", "--conv-reference", str(first_out))
-    runs = again["convergence"]["runs"]
-    assert [r["recipe"] for r in runs] == ["baseline", "nvfp4", "baseline_seed1"]
-    assert runs[0]["losses"] == prior[0]["losses"] and runs[0]["from"] == str(first_out)
-    assert runs[2]["losses"] == prior[-1]["losses"] and "from" not in runs[1]
-    nvfp4, noise = again["convergence"]["summary"]
-    assert nvfp4["same_init"] and nvfp4["same_data"] and nvfp4["compared_steps"] == 3 and noise["ok"] is None
+    prior = {r["recipe"]: r for r in first["convergence"]["runs"]}
+    assert list(prior) == ["baseline", "fp8_rowwise", "baseline_seed1"]
+    again, again_out = _run(bench, tmp_path / "b", *conv[:2], "--recipes", "nvfp4", "--conv-reference", str(first_out))
+    runs = {r["recipe"]: r for r in again["convergence"]["runs"]}
+    assert list(runs) == ["baseline", "nvfp4", "baseline_seed1", "fp8_rowwise"]
+    for name in ("baseline", "fp8_rowwise", "baseline_seed1"):  # taken over, not run again
+        assert runs[name]["losses"] == prior[name]["losses"] and runs[name]["from"] == str(first_out)
+    assert "from" not in runs["nvfp4"]
+    summary = {s["recipe"]: s for s in again["convergence"]["summary"]}
+    assert summary["nvfp4"]["same_init"] and summary["nvfp4"]["compared_steps"] == 3
+    assert summary["baseline_seed1"]["ok"] is None and not summary["baseline_seed1"]["same_init"]
+    # paired init seeds: seed 1's baseline is there already, so only fp8_rowwise from seed 1 runs
+    capsys.readouterr()
+    seeds, _ = _run(bench, tmp_path / "c", *conv, "--conv-seeds", "0,1", "--conv-reference", str(again_out))
+    assert capsys.readouterr().out.count("=== tiny-fp8_rowwise") == 1
+    conv_report = seeds["convergence"]
+    assert [r["recipe"] for r in conv_report["runs"]] == ["baseline", "fp8_rowwise", "baseline_seed1",
+                                                          "fp8_rowwise_seed1", "nvfp4"]
+    pair1 = next(s for s in conv_report["summary"] if s["recipe"] == "fp8_rowwise_seed1")
+    seed1_base = next(r for r in conv_report["runs"] if r["recipe"] == "baseline_seed1")
+    assert pair1["seed"] == 1 and pair1["same_init"] and pair1["baseline_final"] == pytest.approx(
+        sum(seed1_base["losses"][-3:]) / 3)  # against the baseline of its own init
+    paired = {p["arm"]: p for p in conv_report["paired"]}
+    fp8 = paired["fp8_rowwise"]
+    assert fp8["n"] == 2 and set(fp8["rel_diff_by_seed"]) == {"0", "1"}
+    assert fp8["mean"] == pytest.approx(sum(fp8["rel_diff_by_seed"].values()) / 2)
+    assert fp8["ok"] == (abs(fp8["mean"]) <= 0.01) and paired["baseline"]["target"] is None
+    assert paired["nvfp4"]["n"] == 1
+    # nothing left to run: a merge
+    capsys.readouterr()
+    merged, _ = _run(bench, tmp_path / "d", *conv, "--conv-seeds", "0,1", "--conv-reference", str(again_out),
+                     str(tmp_path / "c" / "lowp.json"))
+    assert "=== tiny-" not in capsys.readouterr().out
+    assert [r["recipe"] for r in merged["convergence"]["runs"]] == [r["recipe"] for r in conv_report["runs"]]
     with pytest.raises(SystemExit, match="steps"):
-        _run(bench, tmp_path / "c", *conv, "--conv-steps", "4", "--conv-reference", str(first_out))
+        _run(bench, tmp_path / "e", *conv, "--conv-steps", "4", "--conv-reference", str(first_out))
 
 
 def test_convergence_settings_bench8_defaults_and_overrides(bench):
@@ -118,15 +144,19 @@ def test_convergence_settings_bench8_defaults_and_overrides(bench):
 
 def test_kernel_categories_sum_device_time_per_step():
     """Kernels by name: a flash kernel is attention, a GEMM whose name says FP8 an FP8 GEMM (also a CUTLASS rowwise
-    one, whose name says "rowwise" like a cast does), other FP8 kernels quantization; CPU ops left out; ms per step
-    over the profiled iterations, largest first."""
+    one, whose name says "rowwise" like a cast does, and cuBLASLt's nvjet_sm90_q*), other FP8 kernels quantization;
+    CPU ops and device-timeline annotations left out; ms per step over the profiled iterations, largest first."""
     from types import SimpleNamespace as E
 
     from bench.core.kernel_profile import kernel_categories
 
     cuda = "DeviceType.CUDA"
     events = [E(key="flash_bwd_dq_dk_dv_loop_kernel", self_device_time_total=3000.0, device_type=cuda),
-              E(key="nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", self_device_time_total=6000.0, device_type=cuda),
+              E(key="nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_TNT", self_device_time_total=6000.0, device_type=cuda),
+              E(key="nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT", self_device_time_total=600.0,
+                device_type=cuda),
+              E(key="Optimizer.step#AdamW.step", self_device_time_total=9000.0, device_type=cuda,
+                is_user_annotation=True),
               E(key="multi_tensor_apply_kernel<FusedAdamMathFunctor>", self_device_time_total=900.0, device_type=cuda),
               E(key="cutlass::device_kernel<f8f8bf16_rowwise>", self_device_time_total=1500.0, device_type=cuda),
               E(key="_fused_rowwise_quantize_kernel", self_device_time_total=600.0, device_type=cuda),
@@ -135,6 +165,6 @@ def test_kernel_categories_sum_device_time_per_step():
               E(key="aten::mm", self_device_time_total=0.0, device_type="DeviceType.CPU"),
               E(key="vectorized_elementwise_kernel", self_device_time_total=300.0, device_type=cuda)]
     cats = kernel_categories(E(key_averages=lambda: events), iters=3)
-    assert cats == pytest.approx({"bf16 GEMM": 2.0, "attention": 1.0, "fp8 GEMM": 0.5, "optimizer": 0.3,
+    assert cats == pytest.approx({"bf16 GEMM": 2.0, "attention": 1.0, "fp8 GEMM": 0.7, "optimizer": 0.3,
                                   "quantize": 0.25, "other": 0.1, "copy / pad": 0.03})
     assert list(cats)[:3] == ["bf16 GEMM", "attention", "fp8 GEMM"]

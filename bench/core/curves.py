@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -53,13 +54,16 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) 
     if plt is None:
         return path
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    base = _moving_average(runs[0]["losses"], smooth) if runs[0]["recipe"] == BASE else None
+    # right: each recipe against the baseline of its own init seed, the other inits' baselines against the first
+    first = _moving_average(runs[0]["losses"], smooth) if run_arm(runs[0]) == BASE else None
+    bases = {r.get("seed"): _moving_average(r["losses"], smooth) for r in runs if run_arm(r) == BASE}
     for r in runs:
         steps = range(1, len(r["losses"]) + 1)
         ma = _moving_average(r["losses"], smooth)
         line, = ax.plot(steps, ma, lw=1.4, label=f"{r['recipe']} (moving mean of {smooth})")
         ax.plot(steps, r["losses"], lw=0.5, alpha=0.3, color=line.get_color())
-        if base is not None and r["recipe"] != BASE:
+        base = first if run_arm(r) == BASE else bases.get(r.get("seed"), first)
+        if base is not None and r is not runs[0]:
             n = min(len(ma), len(base))
             ax2.plot(range(1, n + 1), [100 * (a - b) / b for a, b in zip(ma[:n], base[:n])], lw=1.2,
                      color=line.get_color(), label=r["recipe"])
@@ -68,7 +72,7 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) 
     ax.set_ylabel("loss")
     ax.legend()
     ax2.axhline(0, color="k", lw=0.6)
-    ax2.set_title(f"moving mean vs {BASE}, %")
+    ax2.set_title(f"moving mean vs {BASE} (of the same init), %")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("relative difference (%)")
     if ax2.lines[1:]:
@@ -81,23 +85,39 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) 
     return path
 
 
-def reference_runs(path: Path, report: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The baseline run and the noise runs (``baseline_seed*``) of an earlier convergence report written with the same
-    preset, steps and settings as ``report``, e.g. to run one more recipe against them in a short GPU call. Each is
-    marked with where it came from; the comparison still checks that the inits and first batches match."""
-    data = json.loads(Path(path).read_text())
-    prior = data.get("convergence", data)
-    if not isinstance(prior, dict) or "runs" not in prior:
-        raise SystemExit(f"--conv-reference {path}: no convergence report in it")
-    for key in ("preset", "steps", "smooth", "settings"):
-        if prior.get(key) != report.get(key):
-            raise SystemExit(f"--conv-reference {path}: its {key} is {prior.get(key)!r}, this run's "
-                             f"{report.get(key)!r}; run it with the same settings")
-    base = [r for r in prior["runs"] if r.get("recipe") == BASE and r.get("losses")]
-    if not base:
-        raise SystemExit(f"--conv-reference {path}: no baseline run with losses in it")
-    noise = [r for r in prior["runs"] if str(r.get("recipe", "")).startswith(f"{BASE}_seed") and r.get("losses")]
-    return ({**base[0], "from": str(path)}, [{**r, "from": str(path)} for r in noise])
+def run_arm(r: dict[str, Any]) -> str:
+    """The recipe a convergence run trained with: ``BASE`` for the baseline of any init seed (older reports name the
+    baseline of another init ``baseline_seedN`` and carry no ``arm``)."""
+    arm = str(r.get("arm") or r.get("recipe", ""))
+    return BASE if arm.startswith(f"{BASE}_seed") else arm
+
+
+def run_label(arm: str, seed: int, first_seed: int) -> str:
+    """A run's name in tables and plots: the recipe, with ``_seedN`` when its init is not the first seed's."""
+    return arm if seed == first_seed else f"{arm}_seed{seed}"
+
+
+def reference_runs(paths: Sequence[Path], report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The finished runs (any recipe, any init seed) of earlier convergence reports written with the same preset,
+    steps and settings as ``report``, each marked with where it came from; the first report's run wins where two
+    hold the same (recipe, seed). A call then runs only what they lack (a short GPU call, or none: a merge); the
+    comparisons still check that inits and first batches match."""
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        prior = data.get("convergence", data)
+        if not isinstance(prior, dict) or "runs" not in prior:
+            raise SystemExit(f"--conv-reference {path}: no convergence report in it")
+        for key in ("preset", "steps", "smooth", "settings"):
+            if prior.get(key) != report.get(key):
+                raise SystemExit(f"--conv-reference {path}: its {key} is {prior.get(key)!r}, this run's "
+                                 f"{report.get(key)!r}; run it with the same settings")
+        for r in prior["runs"]:
+            if r.get("losses") and not r.get("truncated"):
+                out.setdefault((run_arm(r), int(r.get("seed", 0))), {"from": str(path), **r, "arm": run_arm(r)})
+    if not any(arm == BASE for arm, _ in out):
+        raise SystemExit(f"--conv-reference {', '.join(map(str, paths))}: no finished baseline run in it")
+    return list(out.values())
 
 
 def smoothed(losses: list[float], n: int) -> float:
@@ -139,6 +159,28 @@ def compare(base: dict[str, Any], r: dict[str, Any], steps: int, smooth: int, ta
     return s
 
 
+
+def paired_stats(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per recipe, over init seeds: the relative differences of its final loss to the baseline of the same seed
+    (the ``compare`` entries), their mean, sample sd, min and max; ``ok`` when the mean is within the recipe's
+    target and every pair ran all steps from the same init and data. The baselines of other seeds against the first
+    (the noise) get the same statistics under ``BASE``, with no target."""
+    out = []
+    for arm in dict.fromkeys(s["arm"] for s in summary if "arm" in s):
+        pairs = [s for s in summary if s.get("arm") == arm]
+        d = {str(s["seed"]): s["rel_diff"] for s in pairs if s.get("rel_diff") is not None}  # JSON keys
+        v = list(d.values())
+        mean = sum(v) / len(v) if v else None
+        target = pairs[0]["target"]
+        complete = all(s.get("compared_steps") == s["steps"] and (arm == BASE or (s.get("same_init") and
+                                                                               s.get("same_data")))
+                       for s in pairs)
+        out.append({"arm": arm, "n": len(v), "rel_diff_by_seed": d, "mean": mean,
+                    "sd": statistics.stdev(v) if len(v) > 1 else None, "min": min(v) if v else None,
+                    "max": max(v) if v else None, "target": target,
+                    "ok": None if target is None or mean is None else (abs(mean) <= target and complete)})
+    return out
+
 def convergence_table(report: dict[str, Any]) -> str:
     """The baseline's final loss, then each ``compare`` summary of ``report["summary"]`` on a line."""
     st = report["settings"]
@@ -162,4 +204,14 @@ def convergence_table(report: dict[str, Any]) -> str:
                      f"{fmt_cell(s.get('seconds'), '7.0f')}  {s.get('note', '')} {s.get('error', '')}"
                      f"{'' if s.get('same_init', True) or s['target'] is None else ' DIFFERENT INIT'}"
                      f"{'' if s.get('same_data', True) else ' DIFFERENT DATA'}")
+    if any(p["n"] > 1 for p in report.get("paired", [])):
+        lines.append(f"over init seeds (each recipe vs the baseline of its seed; {BASE}: the other inits vs the "
+                     f"first): {'recipe':15s} {'n':>2s} {'mean':>8s} {'sd':>7s} {'min':>8s} {'max':>8s} "
+                     f"{'target':>7s} {'ok':>5s}")
+        for p in report["paired"]:
+            pct = [("-" if p[k] is None else format(100 * p[k], ".2f" if k == "sd" else "+.2f") + "%")
+                   for k in ("mean", "sd", "min", "max")]
+            lines.append(f"  {p['arm']:15s} {p['n']:2d} {pct[0]:>8s} {pct[1]:>7s} {pct[2]:>8s} {pct[3]:>8s} "
+                         f"{'' if p['target'] is None else format(100 * p['target'], '6.0f') + '%':>7s} "
+                         f"{str(p['ok']):>5s}")
     return "\n".join(lines)

@@ -3,6 +3,7 @@ by category (attention, optimizer, quantize, FP8 GEMM, bf16 GEMM, copy / pad, ot
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -29,6 +30,11 @@ QUANTIZE_KEYS = ("quant", "scale_and_cast", "colwise", "rowwise", "amax", "cast_
 COPY_KEYS = ("copy", "index", "fill", "zero", "cat", "gather", "scatter", "pad")
 
 
+# cuBLASLt's sm90 GEMMs name their operand types after the arch: nvjet_sm90_tst_* (bf16), nvjet_sm90_qqtst_* and
+# nvjet_sm90_qrtst_* (e4m3 x e4m3, e4m3 x e5m2: FP8)
+NVJET_FP8 = re.compile(r"nvjet_sm\d+_q")
+
+
 def kernel_category(name: str) -> str:
     """attention, optimizer, fp8 GEMM, bf16 GEMM, quantize, copy / pad or other, from a kernel's name."""
     name = name.lower()
@@ -37,19 +43,21 @@ def kernel_category(name: str) -> str:
     if any(k in name for k in OPTIMIZER_KEYS):
         return "optimizer"
     if any(k in name for k in GEMM_KEYS):
-        return "fp8 GEMM" if any(k in name for k in FP8_KEYS) else "bf16 GEMM"
+        return "fp8 GEMM" if any(k in name for k in FP8_KEYS) or NVJET_FP8.search(name) else "bf16 GEMM"
     if any(k in name for k in QUANTIZE_KEYS):
         return "quantize"
     return "copy / pad" if any(k in name for k in COPY_KEYS) else "other"
 
 
 def kernel_categories(prof: Any, iters: int) -> dict[str, float]:
-    """Device time per step by kernel category from a profiler's key averages (kernels only, no CPU ops), largest
-    first."""
+    """Device time per step by kernel category from a profiler's key averages, largest first: kernels only, not the
+    CPU ops that launch them nor the ranges of ``record_function`` on the device timeline (Lightning's
+    ``Optimizer.step#AdamW.step`` spans the whole optimizer step)."""
     cats: dict[str, float] = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0.0) or 0.0
-        if us <= 0 or getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU"):
+        if (us <= 0 or getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU")
+                or getattr(e, "is_user_annotation", False)):
             continue
         cat = kernel_category(e.key)
         cats[cat] = cats.get(cat, 0.0) + us / 1000.0 / iters
