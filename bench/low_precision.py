@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Low-precision training (issues 11, 23): speed of FP8 vs the high-precision run, and convergence of every recipe.
 
-One piece (about 700 lines): its three modes share one protocol (the baseline in the same process, the same
+One piece (about 600 lines; the convergence mode's runs live in ``bench/lowp_convergence.py``): its three modes share one protocol (the baseline in the same process, the same
 precision), one recipe list and one report.
 
 Modes (``--mode``, comma-separated; all three by default), each against a baseline *in the same process* with the
@@ -96,37 +96,28 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import moe_layer, train_step
-from bench.core.curves import (compare, convergence_table, paired_stats, reference_runs, run_arm, run_label,
-                               save_curves)
+from bench.core.curves import convergence_table, save_curves
 from bench.core.kernel_profile import profile_lines, profile_step
 from bench.core.text import err as _err, fmt_cell as _fmt, log
+from bench.lowp_convergence import BENCH8_LR, bench8_config, bench_convergence
 from lightning_moe.callbacks import LowPrecisionTraining
-
-_HERE = Path(__file__).resolve().parent
 
 FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise")
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
 AUTO = "auto"  # LowPrecisionTraining's default: FP8 per GEMM where the crossover table says it pays
 ALL_RECIPES = (AUTO,) + FP8_RECIPES + ("fp8_blockwise",) + BLOCK_RECIPES
 BASE = "baseline"
-TARGETS = {"fp8": 0.01, "block": 0.03}  # convergence: |relative difference| of the smoothed final loss
-# bench8 convergence: at 3e-4 (and bf16 AdamW state) two runs of the same bf16 program ended 5.6% apart (RESULTS.md)
-BENCH8_LR = 1e-4
 # issue 23's speed targets (bf16 time / FP8 time): the default (auto) never below NEVER_SLOWER anywhere, and at least
 # these where the shapes allow (layer: bench/moe_layer.py's shape names; step: --step-models names)
 NEVER_SLOWER = 0.98
 SPEED_TARGETS = {"layer": {"mixtral": 1.3, "deepseek_v3": 1.1}, "step": {"dsv3": 1.1}}
 STEP_MODELS = ("qwen8", "dsv3")  # the 8-layer Qwen3-30B-A3B bench model; bench/deepseek_v3_step.py's model
 STEP_MODES = ("eager", "compiled")
-TINY_YAML = _HERE.parent / "examples" / "configs" / "tiny.yaml"
 # rough seconds a unit needs on an H200 (setup included), to decide before starting it; CPU --small: a few seconds
 UNIT_S = {"cuda": {"layer": 25.0, "step": 40.0, "convergence": 45.0}, "cpu": {"layer": 5.0, "step": 10.0,
                                                                               "convergence": 10.0}}
 # a step run's rough cost relative to "step" (model size, torch.compile)
 STEP_COST = {("qwen8", "eager"): 1.0, ("qwen8", "compiled"): 2.0, ("dsv3", "eager"): 1.5, ("dsv3", "compiled"): 2.5}
-# per convergence run: model build, data setup and teardown, outside Lightning's max_time
-QUANTIZED_RUN_COST = 2.5  # a forced or emulated recipe's convergence run relative to the baseline's, for the shares
-MARGIN_S = {"cuda": 15.0, "cpu": 3.0}
 
 
 class Budget:
@@ -312,17 +303,12 @@ def _run(label: str, cfg: Any, recipe: str, args: argparse.Namespace, device: to
     return r
 
 
-def _bench8_config(args: argparse.Namespace) -> Any:
-    return train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
-                                                     seq_len=args.seq_len))
-
-
 def _step_model(name: str, args: argparse.Namespace) -> tuple[Any, int, int]:
     """(config, sequence length, batch size) of a ``--step-models`` entry: ``qwen8`` the 8-layer Qwen3-30B-A3B bench
     model (``--seq-len`` x ``--batch-size``), ``dsv3`` bench/deepseek_v3_step.py's reduced DeepSeek-V3 (3 layers,
     64 experts, 2 x 4096 tokens as that bench runs it; its tiny twin with ``--small``)."""
     if name == "qwen8":
-        return _bench8_config(args), args.seq_len, args.batch_size
+        return bench8_config(args), args.seq_len, args.batch_size
     from bench import deepseek_v3_step
 
     return deepseek_v3_step.model_config(args.small), (64 if args.small else 4096), 2
@@ -404,113 +390,6 @@ def step_table(runs: list[dict[str, Any]]) -> str:
                      f"{_fmt(r.get('tokens_per_s'), '10.0f')} {_fmt(r.get('speedup'), '8.3f')} {target:>7s} "
                      f"{_fmt(r.get('peak_gib'), '9.2f')} {r.get('repeats', 0):7d} {n_fp8:>9s}  {note}")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------------ (c) convergence
-def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The main job's model, data and optimisation settings (examples/configs/tiny.yaml)."""
-    import yaml
-
-    from lightning_moe.config import ModelConfig
-
-    spec = yaml.safe_load(TINY_YAML.read_text())
-    model, data, trainer = spec["model"], spec["data"], spec["trainer"]
-    return {"cfg": ModelConfig.from_preset(model["config"]), "lr": float(model["lr"]),
-            "seq_len": 64 if args.small else int(data["seq_len"]), "batch_size": 2 if args.small else int(data["batch_size"]),
-            "module": {"min_lr_ratio": float(model["min_lr_ratio"]), "weight_decay": float(model["weight_decay"])},
-            "data": {"val_fraction": float(data["val_fraction"]), "seed": int(data["seed"])},
-            "clip": float(trainer["gradient_clip_val"]), "source": str(TINY_YAML.relative_to(_HERE.parent))}
-
-
-def _bench8_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {"cfg": _bench8_config(args), "lr": BENCH8_LR, "seq_len": args.seq_len, "batch_size": args.batch_size,
-            "module": {"min_lr_ratio": 0.1, "weight_decay": 0.1}, "data": {}, "clip": 1.0,
-            "source": "bench/train_step.py qwen_config (8 layers)"}
-
-
-def convergence_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The preset's model, data and optimisation settings with ``--conv-lr`` / ``--conv-warmup`` /
-    ``--conv-master`` applied: ``lr``, ``warmup`` (steps) and ``master`` ("fp32" or "none") always set."""
-    s = _tiny_settings(args) if args.preset == "tiny" else _bench8_settings(args)
-    steps = args.conv_steps
-    if args.conv_lr is not None:
-        s["lr"] = args.conv_lr
-    # the main job's warmup for tiny; bench8 a tenth of the run (a 20-step ramp to 3e-4 spiked its bf16 baseline)
-    s["warmup"] = args.conv_warmup if args.conv_warmup is not None else max(
-        1, steps // 10 if args.preset == "bench8" else min(20, steps // 10))
-    s["master"] = args.conv_master if args.conv_master != "auto" else (
-        "fp32" if args.preset == "bench8" and args.precision.startswith("bf16") else "none")
-    return s
-
-
-def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Budget) -> dict[str, Any]:
-    s = convergence_settings(args)
-    steps, warmup = args.conv_steps, s["warmup"]
-    variant = "auto+master" if s["master"] == "fp32" else ""
-    report: dict[str, Any] = {"preset": args.preset, "settings": {k: v for k, v in s.items() if k != "cfg"},
-                              "warmup_steps": warmup, "steps": steps, "smooth": args.smooth, "runs": [], "summary": []}
-    report["settings"]["precision"] = args.precision
-    # (arm, seed): per init seed the baseline and each recipe from that init (a paired comparison), then
-    # (--noise-seed) the baseline from another init, whose difference to the first is the noise
-    seeds = args.conv_seeds or (args.seed,)
-    wanted = [(arm, sd) for sd in seeds for arm in (BASE, *args.recipes)]
-    if args.noise_seed is not None and (BASE, args.noise_seed) not in wanted:
-        wanted.append((BASE, args.noise_seed))
-    refs = reference_runs([Path(p) for p in args.conv_reference], report) if args.conv_reference else []
-    have = {(run_arm(r), int(r.get("seed", 0))) for r in refs}
-    todo = [w for w in wanted if w not in have]  # what earlier reports (--conv-reference) did not run
-    # a run's share of what is left goes by its expected cost: a quantizing recipe's step is slower than bf16's
-    # (forced fp8_rowwise on the bench8 H200 run: 0.50 vs 0.19 s a step, and 64 s of first-step autotuning)
-    weights = [1.0 if arm in (BASE, AUTO) else QUANTIZED_RUN_COST for arm, _ in todo]
-    new: list[dict[str, Any]] = []
-    for i, (arm, seed) in enumerate(todo):
-        label = run_label(arm, seed, args.seed)
-        left = budget.left()
-        share = left * weights[i] / sum(weights[i:])
-        if not budget.allows(UNIT_S[device.type]["convergence"], f"convergence {args.preset} {label}"):
-            new.append({"model": f"{args.preset}-{label}", "recipe": label, "arm": arm, "seed": seed,
-                        "skipped": "time limit", "losses": []})
-            continue
-        trainer_kwargs: dict[str, Any] = {"gradient_clip_val": s["clip"]}
-        if math.isfinite(share):
-            train_s = max(1.0, share - MARGIN_S[device.type])
-            trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
-            log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
-        r = _run(args.preset, s["cfg"], arm, args, device, None, False, steps, s["seq_len"], s["batch_size"],
-                 s["lr"], seed=seed, module_kwargs={"warmup_steps": warmup, **s["module"]}, variant=variant,
-                 trainer_kwargs=trainer_kwargs, data_kwargs=s["data"])
-        r["recipe"], r["arm"] = label, arm
-        r["truncated"] = len(r["losses"]) < steps
-        if r["truncated"]:
-            log(f"convergence {args.preset} {label}: stopped after {len(r['losses'])} of {steps} steps "
-                f"({'error' if 'error' in r else 'time limit'})")
-        new.append(r)
-    order = {w: k for k, w in enumerate(wanted)}  # the first seed's runs first, its baseline first
-    report["runs"] = sorted([*refs, *new], key=lambda r: (order.get((run_arm(r), int(r.get("seed", 0))), len(order)),
-                                                           int(r.get("seed", 0)) != args.seed, run_arm(r) != BASE))
-    for r in report["runs"]:
-        r["recipe"] = run_label(run_arm(r), int(r.get("seed", 0)), args.seed)
-    bases = {int(r.get("seed", 0)): r for r in report["runs"] if run_arm(r) == BASE}
-    base = bases.get(args.seed, report["runs"][0])
-    for r in report["runs"]:
-        if r is base:
-            continue
-        arm, seed = run_arm(r), int(r.get("seed", 0))
-        noise = arm == BASE  # another init: its difference is the noise, no target
-        target = None if noise else TARGETS["block" if arm in BLOCK_RECIPES else "fp8"]
-        pair = base if noise else bases.get(seed)
-        fields = {"model": args.preset, "emulate": r.get("emulate"), "precision": args.precision, "arm": arm,
-                  "seed": seed}
-        if pair is None:
-            report["summary"].append({**fields, "recipe": r["recipe"], "steps": steps, "target": target,
-                                      "note": f"no {BASE} run of seed {seed}"})
-            continue
-        report["summary"].append(compare(pair, r, steps, args.smooth, target, noise, **fields))
-    report["paired"] = paired_stats(report["summary"])
-    log(convergence_table(report))
-    path = save_curves(report["runs"], Path(args.out), args.smooth, f"{args.preset}, {args.precision}")
-    report["curves"] = str(path) if path else None
-    return report
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -677,7 +556,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             json.dump(report, f, indent=1, default=str)
 
     modes: list[tuple[str, Callable[..., Any]]] = [("layer", bench_layer), ("step", bench_step),
-                                                    ("convergence", bench_convergence)]
+                                                    ("convergence", lambda a, d, b: bench_convergence(
+                                                        a, d, b, _run, UNIT_S[d.type]["convergence"]))]
     for mode, fn in modes:
         if mode not in args.modes:
             continue

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
 """Full training-step benchmark on one device: lightning_moe vs Hugging Face ``transformers`` (DESIGN "Benchmarks").
+One piece (about 510 lines): its run, timer and profiler callbacks are what the other step benchmarks reuse.
 
 What it does, in order (each part guarded: a failure is reported in the table and the JSON, the rest still runs):
 

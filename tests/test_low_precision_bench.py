@@ -130,14 +130,16 @@ def test_conv_reference_runs_only_what_earlier_reports_lack(bench, tmp_path, cap
 def test_convergence_settings_bench8_defaults_and_overrides(bench):
     """bench8: lr 1e-4, a tenth of the steps as warmup and fp32 masters at bf16; tiny: the main job's settings
     (examples/configs/tiny.yaml) and no masters; the --conv-* options override either, and the report keeps them."""
-    b8 = bench.convergence_settings(bench.parse_args(["--device", "cpu", "--small", "--preset", "bench8",
+    from bench.lowp_convergence import convergence_settings
+
+    b8 = convergence_settings(bench.parse_args(["--device", "cpu", "--small", "--preset", "bench8",
                                                       "--precision", "bf16-true", "--conv-steps", "300"]))
     assert (b8["lr"], b8["warmup"], b8["master"]) == (1e-4, 30, "fp32")
-    fp32 = bench.convergence_settings(bench.parse_args(["--device", "cpu", "--small", "--preset", "bench8"]))
+    fp32 = convergence_settings(bench.parse_args(["--device", "cpu", "--small", "--preset", "bench8"]))
     assert fp32["master"] == "none"  # 32-true: the parameters are the masters
-    tiny = bench.convergence_settings(bench.parse_args(["--device", "cpu", "--conv-steps", "300"]))
+    tiny = convergence_settings(bench.parse_args(["--device", "cpu", "--conv-steps", "300"]))
     assert (tiny["lr"], tiny["warmup"], tiny["master"]) == (3e-3, 20, "none")
-    over = bench.convergence_settings(bench.parse_args(["--device", "cpu", "--preset", "bench8", "--conv-lr", "3e-4",
+    over = convergence_settings(bench.parse_args(["--device", "cpu", "--preset", "bench8", "--conv-lr", "3e-4",
                                                         "--conv-warmup", "20", "--conv-master", "none"]))
     assert (over["lr"], over["warmup"], over["master"]) == (3e-4, 20, "none")
 

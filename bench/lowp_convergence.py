@@ -1,0 +1,140 @@
+"""The convergence mode of ``bench/low_precision.py`` (its docstring has the protocol): the settings of the two
+presets, the runs per (recipe, init seed) that earlier reports lack, and their paired comparison."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bench import train_step
+from bench.core.curves import (BASE, compare, convergence_table, paired_stats, reference_runs, run_arm, run_label,
+                               save_curves)
+from bench.core.text import log
+from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES
+
+TARGETS = {"fp8": 0.01, "block": 0.03}  # |relative difference| of the smoothed final loss
+# bench8: at 3e-4 (and bf16 AdamW state) two runs of the same bf16 program ended 5.6% apart (RESULTS.md)
+BENCH8_LR = 1e-4
+TINY_YAML = Path(__file__).resolve().parent.parent / "examples" / "configs" / "tiny.yaml"
+QUANTIZED_RUN_COST = 2.5  # a forced or emulated recipe's run relative to the baseline's, for the time shares
+MARGIN_S = {"cuda": 15.0, "cpu": 3.0}  # per run: model build, data setup and teardown, outside Lightning's max_time
+
+
+def bench8_config(args: argparse.Namespace) -> Any:
+    """The 8-layer Qwen3-30B-A3B-shaped bench model of ``bench/train_step.py`` (2 small layers with ``--small``)."""
+    return train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
+                                                     seq_len=args.seq_len))
+
+
+def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The main job's model, data and optimisation settings (examples/configs/tiny.yaml)."""
+    import yaml
+
+    from lightning_moe.config import ModelConfig
+
+    spec = yaml.safe_load(TINY_YAML.read_text())
+    model, data, trainer = spec["model"], spec["data"], spec["trainer"]
+    return {"cfg": ModelConfig.from_preset(model["config"]), "lr": float(model["lr"]),
+            "seq_len": 64 if args.small else int(data["seq_len"]), "batch_size": 2 if args.small else int(data["batch_size"]),
+            "module": {"min_lr_ratio": float(model["min_lr_ratio"]), "weight_decay": float(model["weight_decay"])},
+            "data": {"val_fraction": float(data["val_fraction"]), "seed": int(data["seed"])},
+            "clip": float(trainer["gradient_clip_val"]), "source": str(TINY_YAML.relative_to(TINY_YAML.parents[2]))}
+
+
+def _bench8_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"cfg": bench8_config(args), "lr": BENCH8_LR, "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "module": {"min_lr_ratio": 0.1, "weight_decay": 0.1}, "data": {}, "clip": 1.0,
+            "source": "bench/train_step.py qwen_config (8 layers)"}
+
+
+def convergence_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset's model, data and optimisation settings with ``--conv-lr`` / ``--conv-warmup`` /
+    ``--conv-master`` applied: ``lr``, ``warmup`` (steps) and ``master`` ("fp32" or "none") always set."""
+    s = _tiny_settings(args) if args.preset == "tiny" else _bench8_settings(args)
+    steps = args.conv_steps
+    if args.conv_lr is not None:
+        s["lr"] = args.conv_lr
+    # the main job's warmup for tiny; bench8 a tenth of the run (a 20-step ramp to 3e-4 spiked its bf16 baseline)
+    s["warmup"] = args.conv_warmup if args.conv_warmup is not None else max(
+        1, steps // 10 if args.preset == "bench8" else min(20, steps // 10))
+    s["master"] = args.conv_master if args.conv_master != "auto" else (
+        "fp32" if args.preset == "bench8" and args.precision.startswith("bf16") else "none")
+    return s
+
+
+def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Any, run: Callable[..., dict[str, Any]],
+                      unit_s: float) -> dict[str, Any]:
+    """The convergence mode of ``bench/low_precision.py``: ``run`` trains one recipe from one init (its ``_run``),
+    ``budget`` (its ``Budget``) bounds the call, a run starts only with ``unit_s`` seconds left."""
+    s = convergence_settings(args)
+    steps, warmup = args.conv_steps, s["warmup"]
+    variant = "auto+master" if s["master"] == "fp32" else ""
+    report: dict[str, Any] = {"preset": args.preset, "settings": {k: v for k, v in s.items() if k != "cfg"},
+                              "warmup_steps": warmup, "steps": steps, "smooth": args.smooth, "runs": [], "summary": []}
+    report["settings"]["precision"] = args.precision
+    # (arm, seed): per init seed the baseline and each recipe from that init (a paired comparison), then
+    # (--noise-seed) the baseline from another init, whose difference to the first is the noise
+    seeds = args.conv_seeds or (args.seed,)
+    wanted = [(arm, sd) for sd in seeds for arm in (BASE, *args.recipes)]
+    if args.noise_seed is not None and (BASE, args.noise_seed) not in wanted:
+        wanted.append((BASE, args.noise_seed))
+    refs = reference_runs([Path(p) for p in args.conv_reference], report) if args.conv_reference else []
+    have = {(run_arm(r), int(r.get("seed", 0))) for r in refs}
+    todo = [w for w in wanted if w not in have]  # what earlier reports (--conv-reference) did not run
+    # a run's share of what is left goes by its expected cost: a quantizing recipe's step is slower than bf16's
+    # (forced fp8_rowwise on the bench8 H200 run: 0.50 vs 0.19 s a step, and 64 s of first-step autotuning)
+    weights = [1.0 if arm in (BASE, AUTO) else QUANTIZED_RUN_COST for arm, _ in todo]
+    new: list[dict[str, Any]] = []
+    for i, (arm, seed) in enumerate(todo):
+        label = run_label(arm, seed, args.seed)
+        left = budget.left()
+        share = left * weights[i] / sum(weights[i:])
+        if not budget.allows(unit_s, f"convergence {args.preset} {label}"):
+            new.append({"model": f"{args.preset}-{label}", "recipe": label, "arm": arm, "seed": seed,
+                        "skipped": "time limit", "losses": []})
+            continue
+        trainer_kwargs: dict[str, Any] = {"gradient_clip_val": s["clip"]}
+        if math.isfinite(share):
+            train_s = max(1.0, share - MARGIN_S[device.type])
+            trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
+            log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
+        r = run(args.preset, s["cfg"], arm, args, device, None, False, steps, s["seq_len"], s["batch_size"],
+                 s["lr"], seed=seed, module_kwargs={"warmup_steps": warmup, **s["module"]}, variant=variant,
+                 trainer_kwargs=trainer_kwargs, data_kwargs=s["data"])
+        r["recipe"], r["arm"] = label, arm
+        r["truncated"] = len(r["losses"]) < steps
+        if r["truncated"]:
+            log(f"convergence {args.preset} {label}: stopped after {len(r['losses'])} of {steps} steps "
+                f"({'error' if 'error' in r else 'time limit'})")
+        new.append(r)
+    order = {w: k for k, w in enumerate(wanted)}  # the first seed's runs first, its baseline first
+    report["runs"] = sorted([*refs, *new], key=lambda r: (order.get((run_arm(r), int(r.get("seed", 0))), len(order)),
+                                                           int(r.get("seed", 0)) != args.seed, run_arm(r) != BASE))
+    for r in report["runs"]:
+        r["recipe"] = run_label(run_arm(r), int(r.get("seed", 0)), args.seed)
+    bases = {int(r.get("seed", 0)): r for r in report["runs"] if run_arm(r) == BASE}
+    base = bases.get(args.seed, report["runs"][0])
+    for r in report["runs"]:
+        if r is base:
+            continue
+        arm, seed = run_arm(r), int(r.get("seed", 0))
+        noise = arm == BASE  # another init: its difference is the noise, no target
+        target = None if noise else TARGETS["block" if arm in BLOCK_RECIPES else "fp8"]
+        pair = base if noise else bases.get(seed)
+        fields = {"model": args.preset, "emulate": r.get("emulate"), "precision": args.precision, "arm": arm,
+                  "seed": seed}
+        if pair is None:
+            report["summary"].append({**fields, "recipe": r["recipe"], "steps": steps, "target": target,
+                                      "note": f"no {BASE} run of seed {seed}"})
+            continue
+        report["summary"].append(compare(pair, r, steps, args.smooth, target, noise, **fields))
+    report["paired"] = paired_stats(report["summary"])
+    log(convergence_table(report))
+    path = save_curves(report["runs"], Path(args.out), args.smooth, f"{args.preset}, {args.precision}")
+    report["curves"] = str(path) if path else None
+    return report
