@@ -147,7 +147,7 @@ def compare(base: dict[str, Any], r: dict[str, Any], steps: int, smooth: int, ta
               "same_data": r.get("first_batch_checksum") == base.get("first_batch_checksum"),
               "seconds": r.get("wall_s"), "mean_step_s": r.get("mean_step_s")})
     if noise:
-        s["note"] = "bf16 from another init: the noise"
+        s["note"] = "the baseline from another init: the noise"
         s["ok"] = None
     elif n < steps:
         s["note"] = f"compared at step {n} of {steps} (truncated)"
@@ -190,7 +190,7 @@ def convergence_table(report: dict[str, Any]) -> str:
              f"{'recipe':15s} {'steps':>6s} {'final':>8s} {'baseline':>9s} {'rel diff':>9s} {'target':>7s} "
              f"{'ok':>5s} {'s/step':>7s} {'wall s':>7s}  note"]
     base = report["runs"][0] if report["runs"] else {}
-    lines.append(f"{BASE:15s} {len(base.get('losses', [])):6d} "
+    lines.append(f"{base.get('recipe', BASE):15s} {len(base.get('losses', [])):6d} "
                  f"{fmt_cell(smoothed(base.get('losses', []), report['smooth']), '8.4f')} "
                  f"{'':9s} {'':9s} {'':7s} {'':5s} {fmt_cell(base.get('mean_step_s'), '7.3f')} "
                  f"{fmt_cell(base.get('wall_s'), '7.0f')}  {base.get('skipped') or base.get('error') or ''}")
