@@ -46,6 +46,10 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  settings are kept and only the missing (recipe, seed) runs run (seeds spread over calls; nothing
                  missing: a merge, on any machine).
 
+Recipes (``--layer-recipes``, ``--step-recipes``, ``--recipes``): any may carry ``:dense`` or ``:experts``, e.g.
+``fp8_rowwise:experts``: FP8 on that kind of GEMM only (``LowPrecisionTraining(dense=False)`` / ``(experts=False)``),
+to find which GEMMs cost the speed or the loss.
+
 Targets (issue 23, bf16 time / FP8 time of the default ``auto``): at least 0.98 everywhere (never slower), Mixtral
 layer 1.3, DeepSeek-V3 layer 1.1, DeepSeek-V3-shaped step 1.1 (``SPEED_TARGETS``); printed beside each ratio.
 
@@ -136,16 +140,21 @@ class Budget:
         return False
 
 
+# ``recipe:scope``: the recipe on one kind of GEMM only (to find which GEMMs cost speed or loss)
+SCOPES = {"dense": {"experts": False}, "experts": {"dense": False}}
+
+
 def _emulate(recipe: str, args: argparse.Namespace) -> bool:
-    return args.device == "cpu" or args.emulate or recipe in BLOCK_RECIPES
+    return args.device == "cpu" or args.emulate or recipe.partition(":")[0] in BLOCK_RECIPES
 
 
 def _callback(recipe: str, args: argparse.Namespace, tokens: Optional[int] = None) -> LowPrecisionTraining:
-    fused = {"fused_dense": args.dense_impl == "fused"}
-    if recipe == AUTO:  # tokens: the layer's; a train step's come from its datamodule
+    name, _, scope = recipe.partition(":")
+    kw = {"fused_dense": args.dense_impl == "fused", **SCOPES.get(scope, {})}
+    if name == AUTO:  # tokens: the layer's; a train step's come from its datamodule
         return LowPrecisionTraining(AUTO, emulate=_emulate(recipe, args), tokens_per_microbatch=tokens,
-                                    table=args.table, **fused)
-    return LowPrecisionTraining(recipe, emulate=_emulate(recipe, args), **fused)
+                                    table=args.table, **kw)
+    return LowPrecisionTraining(name, emulate=_emulate(recipe, args), **kw)
 
 
 def _median_of_repeats(reps: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -393,11 +402,13 @@ def step_table(runs: list[dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def _recipes(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+def _recipes(value: str, allowed: tuple[str, ...], what: str, scoped: bool = False) -> tuple[str, ...]:
     out = tuple(v.strip() for v in value.split(",") if v.strip())
-    bad = [v for v in out if v not in allowed]
+    bad = [v for v in out if (v.partition(":")[0] if scoped else v) not in allowed
+           or (scoped and v.partition(":")[2] not in ("", *SCOPES))]
     if bad:
-        raise SystemExit(f"{what}: unknown {bad}; choose from {list(allowed)}")
+        extra = f", each optionally with :{' or :'.join(SCOPES)}" if scoped else ""
+        raise SystemExit(f"{what}: unknown {bad}; choose from {list(allowed)}{extra}")
     return out
 
 
@@ -488,10 +499,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a.routing = [s.strip() for s in a.routing.split(",") if s.strip()]
     if not a.routing or any(r not in ("learned", "forced") for r in a.routing):
         raise SystemExit("--routing: learned and/or forced")
-    a.layer_recipes = _recipes(a.layer_recipes, ALL_RECIPES, "--layer-recipes")
-    a.step_recipes = _recipes(a.step_recipes, ALL_RECIPES, "--step-recipes")
-    a.recipes = _recipes(a.recipes, ALL_RECIPES, "--recipes")
-    a.profile_recipes = _recipes(a.profile_recipes, ALL_RECIPES, "--profile-recipes")
+    a.layer_recipes = _recipes(a.layer_recipes, ALL_RECIPES, "--layer-recipes", scoped=True)
+    a.step_recipes = _recipes(a.step_recipes, ALL_RECIPES, "--step-recipes", scoped=True)
+    a.recipes = _recipes(a.recipes, ALL_RECIPES, "--recipes", scoped=True)
+    a.profile_recipes = _recipes(a.profile_recipes, ALL_RECIPES, "--profile-recipes", scoped=True)
     a.step_models = _recipes(a.step_models, STEP_MODELS, "--step-models")
     a.step_modes = _recipes(a.step_modes, STEP_MODES, "--step-modes")
     try:

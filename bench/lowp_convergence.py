@@ -124,7 +124,7 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             continue
         arm, seed = run_arm(r), int(r.get("seed", 0))
         noise = arm == BASE  # another init: its difference is the noise, no target
-        target = None if noise else TARGETS["block" if arm in BLOCK_RECIPES else "fp8"]
+        target = None if noise else TARGETS["block" if arm.partition(":")[0] in BLOCK_RECIPES else "fp8"]
         pair = base if noise else bases.get(seed)
         fields = {"model": args.preset, "emulate": r.get("emulate"), "precision": args.precision, "arm": arm,
                   "seed": seed}

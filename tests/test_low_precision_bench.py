@@ -170,3 +170,28 @@ def test_kernel_categories_sum_device_time_per_step():
     assert cats == pytest.approx({"bf16 GEMM": 2.0, "attention": 1.0, "fp8 GEMM": 0.7, "optimizer": 0.3,
                                   "quantize": 0.25, "other": 0.1, "copy / pad": 0.03})
     assert list(cats)[:3] == ["bf16 GEMM", "attention", "fp8 GEMM"]
+
+
+def test_recipe_scope_puts_fp8_on_one_kind_of_gemm(bench):
+    """``recipe:experts`` / ``recipe:dense``: the callback quantizes only that kind of GEMM; a scope that is not one
+    of the two is refused with the choices."""
+    from lightning_moe.config import ModelConfig
+    from lightning_moe.models.transformer import MoETransformer
+
+    args = bench.parse_args(["--device", "cpu", "--small", "--recipes",
+                             "fp8_rowwise:experts,fp8_rowwise:dense,fp8_rowwise"])
+    assert args.recipes == ("fp8_rowwise:experts", "fp8_rowwise:dense", "fp8_rowwise")
+    converted = {}
+    for recipe in args.recipes:
+        cb = bench._callback(recipe, args)
+        cb.device = torch.device("cpu")
+        model = MoETransformer(ModelConfig.from_preset("tiny"))
+        cb.transform_model(model)
+        converted[recipe] = cb.converted
+        assert cb.emulate  # CPU
+    assert converted["fp8_rowwise:experts"] and all("experts" in n and "shared" not in n
+                                                    for n in converted["fp8_rowwise:experts"])
+    assert converted["fp8_rowwise:dense"] and not any(n.endswith("experts") for n in converted["fp8_rowwise:dense"])
+    assert sorted(converted["fp8_rowwise:experts"] + converted["fp8_rowwise:dense"]) == sorted(converted["fp8_rowwise"])
+    with pytest.raises(SystemExit, match=":dense or :experts"):
+        bench.parse_args(["--device", "cpu", "--recipes", "fp8_rowwise:router"])
