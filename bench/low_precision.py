@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Low-precision training (issues 11, 23): speed of FP8 vs the high-precision run, and convergence of every recipe.
 
-One piece (about 600 lines; the convergence mode's runs live in ``bench/lowp_convergence.py``): its three modes share one protocol (the baseline in the same process, the same
-precision), one recipe list and one report.
+One piece (about 600 lines; the convergence mode's runs live in ``bench/lowp_convergence.py``): its three modes share
+one protocol (the baseline in the same process, the same precision), one recipe list and one report.
 
 Modes (``--mode``, comma-separated; all three by default), each against a baseline *in the same process* with the
 same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
@@ -59,7 +59,8 @@ forces it for the FP8 recipes on CUDA too. ``--small``: toy sizes for a smoke te
 Time: ``--time-limit S`` bounds the whole call. Before each unit (a layer shape, a step run, a convergence run) the
 script checks what is left and skips the unit with a "SKIPPED" line when it cannot fit; a convergence run gets a
 share of what is left as Lightning ``max_time``, a forced or emulated recipe's 2.5 times a bf16 run's (a truncated
-pair is compared at its common length and flagged). Every run prints its wall time and seconds per step; the JSON is rewritten after every unit.
+pair is compared at its common length and flagged). Every run prints its wall time and seconds per step; the JSON
+is rewritten after every unit.
 
 GPU (one H200; repository root), the issue 23 recording in two calls:
     python -m bench low_precision --mode layer,step --profile --time-limit 570 \
@@ -100,17 +101,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import moe_layer, train_step
-from bench.core.curves import convergence_table, save_curves
+from bench.core.curves import BASE, convergence_table, save_curves
 from bench.core.kernel_profile import profile_lines, profile_step
 from bench.core.text import err as _err, fmt_cell as _fmt, log
 from bench.lowp_convergence import BENCH8_LR, bench8_config, bench_convergence
 from lightning_moe.callbacks import LowPrecisionTraining
+from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES
 
 FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise")
-BLOCK_RECIPES = ("mxfp8", "nvfp4")
-AUTO = "auto"  # LowPrecisionTraining's default: FP8 per GEMM where the crossover table says it pays
-ALL_RECIPES = (AUTO,) + FP8_RECIPES + ("fp8_blockwise",) + BLOCK_RECIPES
-BASE = "baseline"
+ALL_RECIPES = (AUTO,) + FP8_RECIPES + ("fp8_blockwise",) + BLOCK_RECIPES  # AUTO: FP8 per GEMM where the table pays
 # issue 23's speed targets (bf16 time / FP8 time): the default (auto) never below NEVER_SLOWER anywhere, and at least
 # these where the shapes allow (layer: bench/moe_layer.py's shape names; step: --step-models names)
 NEVER_SLOWER = 0.98

@@ -12,8 +12,8 @@ from typing import Any, Callable
 import torch
 
 from bench import train_step
-from bench.core.curves import (BASE, compare, convergence_table, paired_stats, reference_runs, run_arm, run_label,
-                               save_curves)
+from bench.core.curves import (BASE, compare, convergence_table, paired_stats, reference_runs, run_arm, run_key,
+                               run_label, save_curves)
 from bench.core.text import log
 from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES
 
@@ -40,7 +40,8 @@ def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
     spec = yaml.safe_load(TINY_YAML.read_text())
     model, data, trainer = spec["model"], spec["data"], spec["trainer"]
     return {"cfg": ModelConfig.from_preset(model["config"]), "lr": float(model["lr"]),
-            "seq_len": 64 if args.small else int(data["seq_len"]), "batch_size": 2 if args.small else int(data["batch_size"]),
+            "seq_len": 64 if args.small else int(data["seq_len"]),
+            "batch_size": 2 if args.small else int(data["batch_size"]),
             "module": {"min_lr_ratio": float(model["min_lr_ratio"]), "weight_decay": float(model["weight_decay"])},
             "data": {"val_fraction": float(data["val_fraction"]), "seed": int(data["seed"])},
             "clip": float(trainer["gradient_clip_val"]), "source": str(TINY_YAML.relative_to(TINY_YAML.parents[2]))}
@@ -84,7 +85,7 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
     if args.noise_seed is not None and (BASE, args.noise_seed) not in wanted:
         wanted.append((BASE, args.noise_seed))
     refs = reference_runs([Path(p) for p in args.conv_reference], report) if args.conv_reference else []
-    have = {(run_arm(r), int(r.get("seed", 0))) for r in refs}
+    have = {run_key(r) for r in refs}
     todo = [w for w in wanted if w not in have]  # what earlier reports (--conv-reference) did not run
     # a run's share of what is left goes by its expected cost: a quantizing recipe's step is slower than bf16's
     # (forced fp8_rowwise on the bench8 H200 run: 0.50 vs 0.19 s a step, and 64 s of first-step autotuning)
@@ -113,16 +114,16 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
                 f"({'error' if 'error' in r else 'time limit'})")
         new.append(r)
     order = {w: k for k, w in enumerate(wanted)}  # the first seed's runs first, its baseline first
-    report["runs"] = sorted([*refs, *new], key=lambda r: (order.get((run_arm(r), int(r.get("seed", 0))), len(order)),
-                                                           int(r.get("seed", 0)) != args.seed, run_arm(r) != BASE))
+    report["runs"] = sorted([*refs, *new], key=lambda r: (order.get(run_key(r), len(order)),
+                                                           run_key(r)[1] != args.seed, run_arm(r) != BASE))
     for r in report["runs"]:
-        r["recipe"] = run_label(run_arm(r), int(r.get("seed", 0)), args.seed)
-    bases = {int(r.get("seed", 0)): r for r in report["runs"] if run_arm(r) == BASE}
+        r["recipe"] = run_label(*run_key(r), args.seed)
+    bases = {run_key(r)[1]: r for r in report["runs"] if run_arm(r) == BASE}
     base = bases.get(args.seed, report["runs"][0])
     for r in report["runs"]:
         if r is base:
             continue
-        arm, seed = run_arm(r), int(r.get("seed", 0))
+        arm, seed = run_key(r)
         noise = arm == BASE  # another init: its difference is the noise, no target
         target = None if noise else TARGETS["block" if arm.partition(":")[0] in BLOCK_RECIPES else "fp8"]
         pair = base if noise else bases.get(seed)

@@ -45,6 +45,7 @@ import torch
 from bench.core.device import allocated_gib, build_on, peak_gib, pick_device, reset_memory
 from bench.core.env import environment
 from bench.core.flops import flops_per_token, measure_matmul_peak, timing_summary
+from bench.core.kernel_profile import kernel_categories
 from bench.core.schema import save as save_result
 from bench.core.text import err as _err, fmt as _fmt, log, md_table
 from bench.core.timer import StepTimer, Stopwatch, loss_checks
@@ -227,8 +228,6 @@ def step_profiler(start: int, n: int, trace: Optional[Path],
                 self.table = self.prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
                 log(f"\nprofile of {self.steps} steps (from step {start}):\n{self.table}")
                 if torch.cuda.is_available() and self.steps:
-                    from bench.core.kernel_profile import kernel_categories
-
                     self.categories = kernel_categories(self.prof, self.steps)
                     log("device ms per step by kernel category: "
                         + "  ".join(f"{k} {v:.2f}" for k, v in self.categories.items()))

@@ -92,6 +92,11 @@ def run_arm(r: dict[str, Any]) -> str:
     return BASE if arm.startswith(f"{BASE}_seed") else arm
 
 
+def run_key(r: dict[str, Any]) -> tuple[str, int]:
+    """(recipe, init seed) of a convergence run: what identifies it across reports."""
+    return run_arm(r), int(r.get("seed", 0))
+
+
 def run_label(arm: str, seed: int, first_seed: int) -> str:
     """A run's name in tables and plots: the recipe, with ``_seedN`` when its init is not the first seed's."""
     return arm if seed == first_seed else f"{arm}_seed{seed}"
@@ -114,7 +119,7 @@ def reference_runs(paths: Sequence[Path], report: dict[str, Any]) -> list[dict[s
                                  f"{report.get(key)!r}; run it with the same settings")
         for r in prior["runs"]:
             if r.get("losses") and not r.get("truncated"):
-                out.setdefault((run_arm(r), int(r.get("seed", 0))), {"from": str(path), **r, "arm": run_arm(r)})
+                out.setdefault(run_key(r), {"from": str(path), **r, "arm": run_arm(r)})
     if not any(arm == BASE for arm, _ in out):
         raise SystemExit(f"--conv-reference {', '.join(map(str, paths))}: no finished baseline run in it")
     return list(out.values())
@@ -159,7 +164,6 @@ def compare(base: dict[str, Any], r: dict[str, Any], steps: int, smooth: int, ta
     return s
 
 
-
 def paired_stats(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per recipe, over init seeds: the relative differences of its final loss to the baseline of the same seed
     (the ``compare`` entries), their mean, sample sd, min and max; ``ok`` when the mean is within the recipe's
@@ -180,6 +184,7 @@ def paired_stats(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "max": max(v) if v else None, "target": target,
                     "ok": None if target is None or mean is None else (abs(mean) <= target and complete)})
     return out
+
 
 def convergence_table(report: dict[str, Any]) -> str:
     """The baseline's final loss, then each ``compare`` summary of ``report["summary"]`` on a line."""
