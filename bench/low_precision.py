@@ -44,7 +44,9 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  baseline and each recipe, paired: the mean (sd, min, max) of the per-seed differences is what the
                  targets read. ``--conv-reference JSON ...``: the finished runs of earlier reports with the same
                  settings are kept and only the missing (recipe, seed) runs run (seeds spread over calls; nothing
-                 missing: a merge, on any machine).
+                 missing: a merge, on any machine). ``repeat`` in ``--recipes``: the baseline's program again from
+                 the same init, compared with that init's baseline and given no target: the spread that kernel
+                 nondeterminism alone makes (on bench8 it is as large as the target).
 
 Recipes (``--layer-recipes``, ``--step-recipes``, ``--recipes``): any may carry ``:dense`` or ``:experts``, e.g.
 ``fp8_rowwise:experts``: FP8 on that kind of GEMM only (``LowPrecisionTraining(dense=False)`` / ``(experts=False)``),
@@ -101,15 +103,16 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import moe_layer, train_step
-from bench.core.curves import BASE, convergence_table, save_curves
+from bench.core.curves import BASE, REPEAT, convergence_table, save_curves
 from bench.core.kernel_profile import profile_lines, profile_step
 from bench.core.text import err as _err, fmt_cell as _fmt, log
 from bench.lowp_convergence import BENCH8_LR, bench8_config, bench_convergence
 from lightning_moe.callbacks import LowPrecisionTraining
-from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES
+from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES, GW_HP
 
 FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise")
-ALL_RECIPES = (AUTO,) + FP8_RECIPES + ("fp8_blockwise",) + BLOCK_RECIPES  # AUTO: FP8 per GEMM where the table pays
+# AUTO: FP8 per GEMM where the table pays
+ALL_RECIPES = (AUTO,) + FP8_RECIPES + (GW_HP, "fp8_blockwise") + BLOCK_RECIPES
 # issue 23's speed targets (bf16 time / FP8 time): the default (auto) never below NEVER_SLOWER anywhere, and at least
 # these where the shapes allow (layer: bench/moe_layer.py's shape names; step: --step-models names)
 NEVER_SLOWER = 0.98
@@ -296,13 +299,14 @@ def _run(label: str, cfg: Any, recipe: str, args: argparse.Namespace, device: to
     ts_args = argparse.Namespace(steps=steps, warmup=args.warmup, precision=args.precision, loss_impl="auto",
                                  profile=profile, profile_trace=False, out=args.out)
     chk = _init_checksum_callback()
-    extra = (chk,) if recipe == BASE else (chk, _callback(recipe, args))
+    plain = recipe in (BASE, REPEAT)  # REPEAT: the baseline's program again (convergence)
+    extra = (chk,) if plain else (chk, _callback(recipe, args))
     seed = args.seed if seed is None else seed
     r = train_step.run_ours(f"{label}-{recipe}", cfg, seq_len, batch_size, ts_args, lr, device, peak, timed,
                             extra_callbacks=extra, seed=seed, **run_kwargs)
     r["recipe"], r["init_checksum"], r["precision"], r["seed"] = recipe, chk.value, args.precision, seed
-    r["emulate"] = None if recipe == BASE else _emulate(recipe, args)
-    if recipe != BASE:
+    r["emulate"] = None if plain else _emulate(recipe, args)
+    if not plain:
         r["converted"] = list(extra[1].converted)
     n = len(r.get("step_times_s") or [])
     r["mean_step_s"] = sum(r["step_times_s"]) / n if n else None
@@ -500,7 +504,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         raise SystemExit("--routing: learned and/or forced")
     a.layer_recipes = _recipes(a.layer_recipes, ALL_RECIPES, "--layer-recipes", scoped=True)
     a.step_recipes = _recipes(a.step_recipes, ALL_RECIPES, "--step-recipes", scoped=True)
-    a.recipes = _recipes(a.recipes, ALL_RECIPES, "--recipes", scoped=True)
+    a.recipes = _recipes(a.recipes, ALL_RECIPES + (REPEAT,), "--recipes", scoped=True)
     a.profile_recipes = _recipes(a.profile_recipes, ALL_RECIPES, "--profile-recipes", scoped=True)
     a.step_models = _recipes(a.step_models, STEP_MODELS, "--step-models")
     a.step_modes = _recipes(a.step_modes, STEP_MODES, "--step-modes")

@@ -44,3 +44,50 @@ def test_fused_layer_matches_the_unfused_torchao_path(monkeypatch, weights_by):
     for a, b in zip(out[True], out[False]):
         err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
         assert err <= 2.0**-6, err  # the same FP8 operands; bf16 rounding of the summed input gradients differs
+
+
+def test_gw_hp_on_its_kernels_matches_its_emulation_and_keeps_the_rowwise_forward(monkeypatch):
+    """``fp8_rowwise_gw_hp`` on the real kernels (fused and unfused: bf16 grouped GEMMs for the weight gradients,
+    FP8 dgrad without fast accumulation) equals its emulation to bf16 / accumulation rounding; its forward is
+    ``fp8_rowwise``'s bit for bit and its expert weight gradients are not; the dense linear's likewise."""
+    from lightning_moe.callbacks.low_precision import GW_HP, LowPrecisionGroupedMM
+    from lightning_moe.lowp import fp8_linear as fl
+    from lightning_moe.moe import _triton_kernels
+
+    if _triton_kernels.INTERPRET:
+        pytest.skip("Triton's interpreter is on in this session: run this file on its own")
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    torch.manual_seed(0)
+    D, F, E, k, T = 256, 192, 16, 4, 1000
+    layer = MoELayer(MoEConfig(num_experts=E, top_k=k, expert_hidden_size=F), D).cuda()
+    layer.experts.to(torch.bfloat16)
+    x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    out = {}
+    for name, recipe, emulate, fuse in (("fused", GW_HP, False, True), ("unfused", GW_HP, False, False),
+                                        ("emulated", GW_HP, True, True), ("rowwise", "fp8_rowwise", False, True)):
+        layer.replan(grouped_mm=LowPrecisionGroupedMM(recipe, emulate=emulate, fuse=fuse))
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(dy)
+        out[name] = [y, xi.grad, layer.experts.w1.grad.clone(), layer.experts.w2.grad.clone()]
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    for other in ("unfused", "emulated"):
+        for a, b in zip(out["fused"], out[other]):
+            assert rel(a, b) <= 2.0**-6, (other, rel(a, b))
+    assert torch.equal(out["fused"][0], out["rowwise"][0])
+    assert rel(out["fused"][3], out["rowwise"][3]) > 1e-3
+    M, K, N = 4096, 1024, 512
+    xd, wd = torch.randn(M, K, device="cuda").bfloat16(), (torch.randn(N, K, device="cuda") * 0.05).bfloat16()
+    dyd = torch.randn(M, N, device="cuda").bfloat16()
+    res = {}
+    for emulate in (False, True):
+        xi, wi = xd.clone().requires_grad_(), wd.clone().requires_grad_()
+        fl.fp8_linear(xi, wi, recipe="rowwise", emulate=emulate, wgrad_hp=True).backward(dyd)
+        res[emulate] = (xi.grad, wi.grad)
+    assert rel(res[False][0], res[True][0]) <= 1e-2 and rel(res[False][1], res[True][1]) <= 1e-2
+    assert rel(res[False][1], dyd.t() @ xd) <= 1e-2  # the high-precision weight gradient

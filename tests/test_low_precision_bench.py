@@ -195,3 +195,20 @@ def test_recipe_scope_puts_fp8_on_one_kind_of_gemm(bench):
     assert sorted(converted["fp8_rowwise:experts"] + converted["fp8_rowwise:dense"]) == sorted(converted["fp8_rowwise"])
     with pytest.raises(SystemExit, match=":dense or :experts"):
         bench.parse_args(["--device", "cpu", "--recipes", "fp8_rowwise:router"])
+
+
+def test_repeat_arm_is_the_baseline_again_and_gw_hp_is_a_recipe(bench, tmp_path):
+    """``repeat``: the baseline's program again from the same init, compared with it and given no target (on CPU
+    the kernels are deterministic: the same losses bit for bit); ``fp8_rowwise_gw_hp`` runs as a recipe with a
+    target, its dense linears and experts converted."""
+    report, _ = _run(bench, tmp_path, "--mode", "convergence", "--recipes", "repeat,fp8_rowwise_gw_hp")
+    conv = report["convergence"]
+    runs = {r["recipe"]: r for r in conv["runs"]}
+    assert list(runs) == ["baseline", "repeat", "fp8_rowwise_gw_hp", "baseline_seed1"]
+    assert runs["repeat"]["losses"] == runs["baseline"]["losses"] and "converted" not in runs["repeat"]
+    assert runs["fp8_rowwise_gw_hp"]["converted"]
+    summary = {s["recipe"]: s for s in conv["summary"]}
+    rep = summary["repeat"]
+    assert rep["rel_diff"] == 0.0 and rep["same_init"] and rep["target"] is None and rep["ok"] is None
+    assert "nondeterminism" in rep["note"]
+    assert summary["fp8_rowwise_gw_hp"]["target"] == 0.01 and summary["fp8_rowwise_gw_hp"]["same_init"]

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional, Sequence
 from bench.core.text import fmt_cell, log
 
 BASE = "baseline"  # the run the others are compared with (bench/low_precision.py's name for it)
+REPEAT = "repeat"  # the baseline's program again from the same init: the spread kernel nondeterminism alone makes
 
 
 def _moving_average(v: list[float], n: int) -> list[float]:

@@ -37,6 +37,10 @@ Numerics (what ``emulate=True`` reproduces on CPU):
 * ``fp8_rowwise``: dense = torchao rowwise (per-row scales, e4m3 everywhere incl. gradients, power-of-2 scales);
   experts = FP8 rowwise grouped (e4m3 everywhere incl. gradients, power-of-2 scales: torchao's
   ``_to_fp8_rowwise_then_scaled_grouped_mm``; details in :mod:`lightning_moe.lowp.fp8_grouped`).
+* ``fp8_rowwise_gw_hp``: ``fp8_rowwise`` whose weight gradients are high-precision GEMMs of the bf16 operands (dense
+  and experts; torchao's ``rowwise_with_gw_hp``, whose dgrad weight is tensorwise where ours stays per column) and
+  whose experts' input gradients accumulate without Hopper's fast FP8 accumulation: a third of the GEMM work stays
+  bf16, for the loss a weight gradient scaled per column over every token loses in e4m3.
 * ``mxfp8`` / ``nvfp4``: as ``lightning_moe.lowp.block_formats`` defines them (32-element E8M0-scaled blocks;
   16-element E4M3-scaled blocks with a per-tensor fp32 scale, random Hadamard transforms on the weight-gradient
   inputs, stochastic rounding of gradients).
@@ -97,6 +101,8 @@ __all__ = ["BlockScaledLinear", "LowPrecisionGroupedMM", "LowPrecisionTraining",
 RECIPES = {
     "fp8_tensorwise": ("dense: torchao float8 tensorwise; experts: FP8 rowwise grouped GEMM", 16),
     "fp8_rowwise": ("dense: torchao float8 rowwise; experts: FP8 rowwise grouped GEMM", 16),
+    "fp8_rowwise_gw_hp": ("fp8_rowwise with every weight-gradient GEMM in high precision and the experts' input "
+                          "gradients without fast accumulation (torchao's rowwise_with_gw_hp idea)", 16),
     "mxfp8": ("MXFP8 (32-element blocks, E8M0 scales), emulated", 32),
     "nvfp4": ("NVFP4 (16-element blocks, E4M3 scales + fp32 tensor scale, RHT, stochastic rounding), emulated", 16),
     "fp8_blockwise": ("dense and experts: FP8 with 1x128 activation tiles and 128x128 weight blocks (torchao's "
@@ -105,7 +111,11 @@ RECIPES = {
 AUTO = "auto"  # per-GEMM choice from the crossover table (lightning_moe.lowp.crossover)
 AUTO_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")  # what the table measures and auto may pick
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
-ROWWISE_GROUPED = ("fp8_tensorwise", "fp8_rowwise")  # recipes whose experts run the FP8 rowwise grouped GEMM
+GW_HP = "fp8_rowwise_gw_hp"
+ROWWISE_GROUPED = ("fp8_tensorwise", "fp8_rowwise", GW_HP)  # recipes whose experts run the FP8 rowwise grouped GEMM
+# our eager FP8 linear's recipe and wgrad_hp for each recipe it runs; torchao's recipe name inside compiled regions
+LINEAR_OF = {"fp8_tensorwise": ("tensorwise", False), "fp8_rowwise": ("rowwise", False), GW_HP: ("rowwise", True)}
+TORCHAO_RECIPE = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise", GW_HP: "rowwise_with_gw_hp"}
 SWAPPED_RECIPES = BLOCK_RECIPES + ("fp8_blockwise",)  # dense linears get their class swapped (not torchao's convert)
 # modules that stay in the run's precision whatever the options (suffixes of module names)
 ALWAYS_KEPT = ("output", "gate")  # the LM head; the shared experts' sigmoid gate (out dim 1)
@@ -181,6 +191,8 @@ class LowPrecisionGroupedMM(GroupedMM):
                  cache_weights: bool = True) -> None:
         self.recipe, self.emulate, self.name = recipe, emulate, name
         self.align = RECIPES[recipe][1]
+        # the rowwise grouped GEMM's numerics (lightning_moe.lowp.fp8_fused._Ops)
+        self.wgrad_hp = self.precise_dgrad = recipe == GW_HP
         # both FP8 recipes run the experts as the rowwise grouped GEMM, whose quantization the experts' own passes can
         # do (lightning_moe.lowp.fp8_fused); fuse=False keeps the unfused reference path
         self.fused_fp8 = fuse and recipe in ROWWISE_GROUPED
@@ -204,7 +216,8 @@ class LowPrecisionGroupedMM(GroupedMM):
         from lightning_moe.lowp.fp8_fused import fp8_swiglu_down
 
         self._check_dims(*w_EKN.shape[-2:])
-        return fp8_swiglu_down(g_RF, u_RF, probs_R, w_EKN, offs_E, emulate=self.emulate, cache=self.weight_cache)
+        return fp8_swiglu_down(g_RF, u_RF, probs_R, w_EKN, offs_E, emulate=self.emulate, cache=self.weight_cache,
+                               wgrad_hp=self.wgrad_hp, bwd_fast_accum=not self.precise_dgrad)
 
     def gather_gate_up(self, x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EKN: Tensor, w3_EKN: Tensor,
                        offs_E: Tensor) -> tuple[Tensor, Tensor]:
@@ -212,7 +225,8 @@ class LowPrecisionGroupedMM(GroupedMM):
 
         self._check_dims(*w1_EKN.shape[-2:])
         return fp8_gather_gate_up(x_TD, asg_R, pos_TK, w1_EKN, w3_EKN, offs_E, emulate=self.emulate,
-                                  cache=self.weight_cache)
+                                  cache=self.weight_cache, wgrad_hp=self.wgrad_hp,
+                                  bwd_fast_accum=not self.precise_dgrad)
 
     def _fn(self):
         if self.recipe in BLOCK_RECIPES:
@@ -222,6 +236,11 @@ class LowPrecisionGroupedMM(GroupedMM):
             from lightning_moe.lowp import fp8_blockwise as fb
 
             return fb.emulated_fp8_blockwise_grouped_mm if self.emulate else fb.fp8_blockwise_grouped_mm
+        if self.wgrad_hp or self.precise_dgrad:  # numerics torchao's function does not offer
+            from lightning_moe.lowp.fp8_fused import fp8_rowwise_grouped_mm
+
+            kw = {"emulate": self.emulate, "wgrad_hp": self.wgrad_hp, "bwd_fast_accum": not self.precise_dgrad}
+            return lambda x, w, offs: fp8_rowwise_grouped_mm(x, w, offs, **kw)
         from lightning_moe.lowp import fp8_grouped
 
         return fp8_grouped.emulated_fp8_rowwise_grouped_mm if self.emulate else fp8_grouped.fp8_rowwise_grouped_mm
@@ -265,7 +284,7 @@ class LowPrecisionTraining(L.Callback):
     Args:
         recipe: ``auto`` (default): each GEMM in FP8 only where the crossover table of this GPU says it pays (see
             below); or one recipe for every GEMM that can take it: ``fp8_tensorwise``, ``fp8_rowwise``,
-            ``fp8_blockwise``, ``mxfp8`` or ``nvfp4``.
+            ``fp8_rowwise_gw_hp``, ``fp8_blockwise``, ``mxfp8`` or ``nvfp4``.
         emulate: run the recipe's numerics in emulation (quantize-dequantize, fp32 GEMMs): any device, slow. Needed
             on CPU, and for MXFP8 / NVFP4 everywhere.
         experts: quantize the routed experts' grouped GEMMs.
@@ -558,7 +577,7 @@ class LowPrecisionTraining(L.Callback):
     def _convert_dense(self, model: nn.Module, names: set[str], recipe: str) -> None:
         if recipe in ROWWISE_GROUPED and self.fused_dense and not self.fsdp_float8_all_gather and self._tp == 1:
             eager = {n for n in names if not self._compiled_linear(n)}
-            self._swap_fp8_linears(model, eager, recipe.removeprefix("fp8_"))
+            self._swap_fp8_linears(model, eager, *LINEAR_OF[recipe])
             names = names - eager
             if not names:
                 return
@@ -576,7 +595,7 @@ class LowPrecisionTraining(L.Callback):
         except ImportError as e:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) converts the dense linears with torchao>=0.18 "
                              f"(pip install 'lightning_moe[ao]'), which failed to import: {e}; or pass dense=False") from e
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.removeprefix("fp8_")),
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(TORCHAO_RECIPE[recipe]),
                                      emulate=self.emulate,
                                      enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in names)
@@ -592,7 +611,7 @@ class LowPrecisionTraining(L.Callback):
                 if hasattr(cls, "init_std"):
                     m.init_std = cls.init_std
 
-    def _swap_fp8_linears(self, model: nn.Module, names: set[str], recipe: str) -> None:
+    def _swap_fp8_linears(self, model: nn.Module, names: set[str], recipe: str, wgrad_hp: bool = False) -> None:
         """Our eager FP8 linear in place of ``names`` (class swap; same parameters), with one input cache per group
         of linears that read one activation (an attention block's input projections, an MLP's w1 / w3) and, for
         ``rowwise``, the attention block's RMSNorm quantizing that input in its own kernel."""
@@ -603,7 +622,7 @@ class LowPrecisionTraining(L.Callback):
         for name in sorted(names):
             m = model.get_submodule(name)
             m.__class__ = fp8_class(Fp8Linear, type(m))
-            m.lowp_recipe, m.lowp_emulate = recipe, self.emulate
+            m.lowp_recipe, m.lowp_emulate, m.lowp_wgrad_hp = recipe, self.emulate, wgrad_hp
             m.lowp_weight_cache = Fp8WeightCache() if self._dense_data_ranks == 1 and self.cache_fp8_weights else None
             m.lowp_input_cache = None
             parent, _, leaf = name.rpartition(".")

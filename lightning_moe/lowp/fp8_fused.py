@@ -10,7 +10,8 @@ Numerics: those of the unfused rowwise path, :class:`~lightning_moe.callbacks.Lo
 ``fp8_rowwise`` (torchao 0.18's ``_to_fp8_rowwise_then_scaled_grouped_mm``; the module docstring of
 :mod:`lightning_moe.lowp.fp8_grouped`): e4m3 everywhere, power-of-two scales; forward x rowwise and w per
 (expert, n); dgrad dy rowwise and w per (expert, k); wgrad x and dy per (group, column) from their high-precision
-values. The fused quantizers produce bit for bit what the unfused path quantizes, so the two agree to fp32 rounding
+values (``wgrad_hp=True``, the ``fp8_rowwise_gw_hp`` recipe: the weight gradients a bf16 grouped GEMM of those
+high-precision values, no FP8). The fused quantizers produce bit for bit what the unfused path quantizes, so the two agree to fp32 rounding
 (tests/test_fp8_fused.py, in emulation and with the Triton kernels under the interpreter). Operands: ``emulate=True``
 dequantizes and runs fp32 ``torch._grouped_mm`` (any device); else ``torch._scaled_grouped_mm`` on sm90 with
 torchao's own quantization kernels for every operand the fused passes do not produce.
@@ -42,7 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning_moe.lowp.fp8_grouped import _qdq_along, emulated_wgrad, pad_layout, quantize_rowwise
 from lightning_moe.moe import kernels
 
-__all__ = ["ALIGN", "Fp8WeightCache", "fp8_gather_gate_up", "fp8_swiglu_down"]
+__all__ = ["ALIGN", "Fp8WeightCache", "fp8_gather_gate_up", "fp8_rowwise_grouped_mm", "fp8_swiglu_down"]
 
 ALIGN = 16  # rows per group of the FP8 grouped GEMM (torch._scaled_grouped_mm)
 E4M3 = torch.float8_e4m3fn
@@ -98,10 +99,12 @@ class Fp8WeightCache:
 
 
 class _Ops:
-    """One implementation of the FP8 rowwise grouped GEMM's pieces; operands are :data:`Operand` pairs."""
+    """One implementation of the FP8 rowwise grouped GEMM's pieces; operands are :data:`Operand` pairs.
+    ``wgrad_hp``: weight gradients as high-precision grouped GEMMs (no FP8); ``bwd_fast_accum``: Hopper's fast FP8
+    accumulation in the dgrad GEMMs too (torchao's grouped default; its dense default keeps it to the forward)."""
 
-    def __init__(self, emulate: bool) -> None:
-        self.emulate = emulate
+    def __init__(self, emulate: bool, wgrad_hp: bool = False, bwd_fast_accum: bool = True) -> None:
+        self.emulate, self.wgrad_hp, self.bwd_fast_accum = emulate, wgrad_hp, bwd_fast_accum
         # e4m3 values in fp32 under emulation (Triton's interpreter cannot store fp8; fp32 holds them exactly)
         self.q_dtype = torch.float32 if emulate else E4M3
 
@@ -137,13 +140,21 @@ class _Ops:
             q, scale = triton_fp8_rowwise_3d_transpose_rhs(w_EKN, output_dtype=E4M3, round_scales_to_power_of_2=True)
             return q, scale.squeeze(1).reciprocal()
 
-    def mm(self, a: Operand, b: Operand, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
+    def mm(self, a: Operand, b: Operand, offs: Tensor, out_dtype: torch.dtype, fast_accum: bool = True) -> Tensor:
         if self.emulate:
             return torch._grouped_mm(a[0], b[0], offs=offs).to(out_dtype)
-        return torch._scaled_grouped_mm(a[0], b[0], a[1], b[1], offs, out_dtype=out_dtype, use_fast_accum=True)
+        return torch._scaled_grouped_mm(a[0], b[0], a[1], b[1], offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+    def dgrad(self, dy_PN: Tensor, w_op: Operand, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """``dx = dy @ w[g].T``, ``w_op`` from :meth:`w_dgrad`."""
+        return self.mm(self.rows(dy_PN), w_op, offs, out_dtype, fast_accum=self.bwd_fast_accum)
 
     def wgrad(self, x_PK: Tensor, dy_PN: Tensor, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
         """``dw[g] = x[g].T @ dy[g]`` as [E, K, N] (the ``w_EKN`` operand's gradient)."""
+        if self.wgrad_hp:
+            if self.emulate:
+                return torch._grouped_mm(x_PK.float().t(), dy_PN.float(), offs=offs).to(out_dtype)
+            return torch._grouped_mm(x_PK.t(), dy_PN.to(x_PK.dtype), offs=offs).to(out_dtype)
         if self.emulate:
             return emulated_wgrad(x_PK, dy_PN, offs, offs.numel()).to(out_dtype)
         from torchao.prototype.moe_training.kernels import triton_fp8_per_group_colwise_scales_dual
@@ -151,7 +162,7 @@ class _Ops:
         dq, ds, xq, xs = triton_fp8_per_group_colwise_scales_dual(dy_PN, x_PK, offs, E4M3,
                                                                   round_scales_to_power_of_2=True)
         dw_ENK = torch._scaled_grouped_mm(dq.t(), xq, ds.t().reciprocal(), xs.reciprocal(), offs,
-                                          out_dtype=out_dtype, use_fast_accum=True)
+                                          out_dtype=out_dtype, use_fast_accum=self.bwd_fast_accum)
         return dw_ENK.transpose(-2, -1)
 
 
@@ -203,7 +214,7 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         dg = du = dp = dw = None
         if any(ctx.needs_input_grad[:3]):
             w_op = _cached(ctx.cache, "w2", "dgrad", w_EFD, ops.w_dgrad)
-            dh = ops.mm(ops.rows(dy_P), w_op, pad_offs, g.dtype).index_select(0, dest)
+            dh = ops.dgrad(dy_P, w_op, pad_offs, g.dtype).index_select(0, dest)
             dg, du, dp = _swiglu_backward(g, u, p, dh, need_dp=ctx.needs_input_grad[2])
             dp = dp.to(ctx.p_dtype) if dp is not None else None
         if ctx.needs_input_grad[3]:
@@ -225,11 +236,13 @@ def _swiglu_backward(g: Tensor, u: Tensor, p: Optional[Tensor], dh: Tensor,
 
 
 def fp8_swiglu_down(g_RF: Tensor, u_RF: Tensor, p_R: Optional[Tensor], w_EFD: Tensor, offs_E: Tensor, *,
-                    emulate: bool, cache: Optional[Fp8WeightCache] = None) -> Tensor:
+                    emulate: bool, cache: Optional[Fp8WeightCache] = None, wgrad_hp: bool = False,
+                    bwd_fast_accum: bool = True) -> Tensor:
     """``grouped_mm(swiglu(g, u, p), w_EFD, offs)`` in the FP8 rowwise recipe with SwiGLU's output quantized by the
     SwiGLU kernel itself (the down GEMM takes its FP8 data and row scales: no second pass over h). [R, D] in the
-    compute dtype; the numbers of the unfused path (module docstring)."""
-    return _Fp8SwiGLUDown.apply(g_RF, u_RF, p_R, w_EFD, offs_E, _Ops(emulate), cache)
+    compute dtype; the numbers of the unfused path (module docstring). ``wgrad_hp``, ``bwd_fast_accum``: ``_Ops``."""
+    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum)
+    return _Fp8SwiGLUDown.apply(g_RF, u_RF, p_R, w_EFD, offs_E, ops, cache)
 
 
 # ---- gather + quantize -> gate / up projections --------------------------------------------------------------------
@@ -259,8 +272,8 @@ class _Fp8GatherGateUp(torch.autograd.Function):
         dg_P, du_P = _pad_rows(dg_RF, dest, P), _pad_rows(du_RF, dest, P)
         grad_x = grad_w1 = grad_w3 = None
         if ctx.needs_input_grad[0]:
-            dx_g = ops.mm(ops.rows(dg_P), _cached(cache, "w1", "dgrad", w1, ops.w_dgrad), pad_offs, x_TD.dtype)
-            dx_u = ops.mm(ops.rows(du_P), _cached(cache, "w3", "dgrad", w3, ops.w_dgrad), pad_offs, x_TD.dtype)
+            dx_g = ops.dgrad(dg_P, _cached(cache, "w1", "dgrad", w1, ops.w_dgrad), pad_offs, x_TD.dtype)
+            dx_u = ops.dgrad(du_P, _cached(cache, "w3", "dgrad", w3, ops.w_dgrad), pad_offs, x_TD.dtype)
             grad_x = kernels.k_sum(dx_g.index_select(0, dest), pos_TK, rows2_RD=dx_u.index_select(0, dest))
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             x_P = _pad_rows(kernels.gather_rows(x_TD, asg_R, pos_TK.shape[1]), dest, P)
@@ -272,9 +285,41 @@ class _Fp8GatherGateUp(torch.autograd.Function):
 
 
 def fp8_gather_gate_up(x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EDF: Tensor, w3_EDF: Tensor, offs_E: Tensor,
-                       *, emulate: bool, cache: Optional[Fp8WeightCache] = None) -> tuple[Tensor, Tensor]:
+                       *, emulate: bool, cache: Optional[Fp8WeightCache] = None, wgrad_hp: bool = False,
+                       bwd_fast_accum: bool = True) -> tuple[Tensor, Tensor]:
     """The gate and up grouped GEMMs of the rows ``x_TD[asg_R // k]`` (``pos_TK`` the rows of each token's
     assignments, -1 none) in the FP8 rowwise recipe, the rows quantized as they are gathered
     (:func:`lightning_moe.moe.kernels.gather_quant_rowwise`, once for both GEMMs). Triton kernels only (CUDA or the
     interpreter): the experts take this path only where they gather their own rows."""
-    return _Fp8GatherGateUp.apply(x_TD, asg_R, pos_TK, w1_EDF, w3_EDF, offs_E, _Ops(emulate), cache)
+    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum)
+    return _Fp8GatherGateUp.apply(x_TD, asg_R, pos_TK, w1_EDF, w3_EDF, offs_E, ops, cache)
+
+
+# ---- the unfused GEMM with the same pieces (the reference path of the recipes torchao's function lacks) ---------------
+
+
+class _Fp8RowwiseGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_PK: Tensor, w_EKN: Tensor, offs_E: Tensor, ops: _Ops) -> Tensor:
+        ctx.save_for_backward(x_PK, w_EKN, offs_E)
+        ctx.ops = ops
+        return ops.mm(ops.rows(x_PK), ops.w_fwd(w_EKN), offs_E, x_PK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_PN: Tensor):
+        x_PK, w_EKN, offs_E = ctx.saved_tensors
+        ops, dy_PN = ctx.ops, dy_PN.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = ops.dgrad(dy_PN, ops.w_dgrad(w_EKN), offs_E, x_PK.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = ops.wgrad(x_PK, dy_PN, offs_E, w_EKN.dtype)
+        return dx, dw, None, None
+
+
+def fp8_rowwise_grouped_mm(x_PK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, emulate: bool, wgrad_hp: bool = False,
+                           bwd_fast_accum: bool = True) -> Tensor:
+    """``torch._grouped_mm(x, w, offs=offs)`` in the FP8 rowwise recipe, each operand quantized here (groups already
+    16-aligned: :func:`~lightning_moe.lowp.fp8_grouped.pad_groups`); with the defaults, the numbers of torchao's
+    ``_to_fp8_rowwise_then_scaled_grouped_mm``. ``wgrad_hp``, ``bwd_fast_accum``: ``_Ops``."""
+    return _Fp8RowwiseGroupedMM.apply(x_PK, w_EKN, offs_E, _Ops(emulate, wgrad_hp, bwd_fast_accum))

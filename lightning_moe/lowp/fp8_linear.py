@@ -17,6 +17,10 @@ with, ``emulate=True`` on both sides):
   column k (over N). wgrad ``dw = dy.T @ x``: dy per column n and x per column k, both over M, quantized from their
   high-precision values -- so the bf16 x is what the backward keeps (a rowwise FP8 x re-quantized per column would
   round twice).
+* ``wgrad_hp=True`` (with ``rowwise``; torchao's ``rowwise_with_gw_hp`` idea): the weight gradient ``dw = dy.T @ x``
+  is a plain GEMM of the high-precision dy and x (fp32 accumulation): a per-column scale spans every token, so in
+  e4m3 the rows far below a column's largest lose their bits; the forward and the dgrad stay FP8 (the dgrad's weight
+  per input column k, as above, where torchao's recipe takes one tensorwise scale).
 * ``tensorwise``: one fp32 scale ``max / amax`` per tensor (not rounded), x and w e4m3, dy e5m2. The forward's FP8
   x (and its scale) *is* the wgrad's operand, transposed, so the backward keeps it instead of the bf16 x: half the
   bytes of the input saved per linear.
@@ -127,9 +131,9 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype
 class _Ops:
     """One implementation of the linear's quantized operands and GEMMs; operands are :data:`Operand` pairs."""
 
-    def __init__(self, recipe: str, emulate: bool) -> None:
-        assert recipe in LINEAR_RECIPES
-        self.recipe, self.emulate = recipe, emulate
+    def __init__(self, recipe: str, emulate: bool, wgrad_hp: bool = False) -> None:
+        assert recipe in LINEAR_RECIPES and not (wgrad_hp and recipe != "rowwise")
+        self.recipe, self.emulate, self.wgrad_hp = recipe, emulate, wgrad_hp
 
     # -- rowwise ---------------------------------------------------------------------------------------------------
     def _rows(self, x_MC: Tensor) -> Operand:
@@ -221,6 +225,10 @@ class _Ops:
         ``dy``: the bf16 dy (rowwise) or :meth:`dy_tensorwise`."""
         if self.recipe == "rowwise":
             dy_MN, x_MK = dy, x_saved
+            if self.wgrad_hp:
+                if self.emulate:
+                    return (dy_MN.float().t() @ x_MK.float()).to(out_dtype)
+                return (dy_MN.t() @ x_MK).to(out_dtype)
             if self.emulate:
                 cols = lambda t: qdq_fp8(t, fp8_scale(t.detach().abs().float().amax(dim=0, keepdim=True)))
                 return (cols(dy_MN).t() @ cols(x_MK)).to(out_dtype)
@@ -279,19 +287,23 @@ def _fp8_linear_2d(x_MK: Tensor, w_NK: Tensor, x_op: Operand, ops: _Ops, cache: 
 
 @torch.compiler.disable  # eager kernels and Python caches: the callback uses this module outside compiled regions
 def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_cache: Any = None,
-               input_cache: Optional[Fp8InputCache] = None) -> Tensor:
+               input_cache: Optional[Fp8InputCache] = None, wgrad_hp: bool = False) -> Tensor:
     """``x @ w.T`` ([..., K] -> [..., N], x's dtype) in the FP8 ``recipe`` (``rowwise`` / ``tensorwise``; the module
     docstring), gradients for x and w. ``weight_cache``: an :class:`~lightning_moe.lowp.fp8_fused.Fp8WeightCache`
     (the weight's FP8 copies made once per optimizer step). ``input_cache``: an :class:`Fp8InputCache` shared with
-    the other linears (and the norm) reading the same x, so x is quantized once."""
+    the other linears (and the norm) reading the same x, so x is quantized once. ``wgrad_hp`` (``rowwise`` only):
+    the weight gradient as a high-precision GEMM."""
     if recipe not in LINEAR_RECIPES:
         raise ValueError(f"fp8_linear(recipe={recipe!r}): one of {LINEAR_RECIPES}")
+    if wgrad_hp and recipe != "rowwise":
+        raise ValueError(f"fp8_linear(recipe={recipe!r}, wgrad_hp=True): a high-precision weight gradient goes with "
+                         "recipe='rowwise' only (tensorwise saves the FP8 input, not the bf16 one, for its backward)")
     N, K = w_NK.shape
     if K % ALIGN or N % ALIGN:
         raise ValueError(f"fp8_linear: in / out features {K} / {N} must be multiples of {ALIGN} (FP8 GEMM alignment); "
                          "keep this linear in high precision (keep_bf16)")
     w = w_NK.to(x.dtype) if w_NK.dtype != x.dtype else w_NK
-    ops = _Ops(recipe, emulate)
+    ops = _Ops(recipe, emulate, wgrad_hp)
     x_MK = x.reshape(-1, K)
     x_op = input_cache.read(x, recipe) if input_cache is not None else None
     if x_op is None:
@@ -360,20 +372,22 @@ def fp8_rms_norm(x: Tensor, weight: Tensor, eps: float, *, emulate: bool, input_
 
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` whose GEMMs run :func:`fp8_linear` (set by ``LowPrecisionTraining``: ``lowp_recipe``,
-    ``lowp_emulate``, ``lowp_weight_cache``, ``lowp_input_cache``)."""
+    ``lowp_emulate``, ``lowp_weight_cache``, ``lowp_input_cache``, ``lowp_wgrad_hp``)."""
 
     lowp_recipe: str = "rowwise"
     lowp_emulate: bool = False
+    lowp_wgrad_hp: bool = False
     lowp_weight_cache: Any = None
     lowp_input_cache: Optional[Fp8InputCache] = None
 
     def forward(self, x: Tensor) -> Tensor:
         y = fp8_linear(x, self.weight, recipe=self.lowp_recipe, emulate=self.lowp_emulate,
-                       weight_cache=self.lowp_weight_cache, input_cache=self.lowp_input_cache)
+                       weight_cache=self.lowp_weight_cache, input_cache=self.lowp_input_cache,
+                       wgrad_hp=self.lowp_wgrad_hp)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.lowp_recipe}"
+        return f"{super().extra_repr()}, fp8={self.lowp_recipe}{', wgrad_hp' if self.lowp_wgrad_hp else ''}"
 
 
 class Fp8QuantRMSNorm(nn.Module):
