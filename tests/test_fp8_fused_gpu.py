@@ -76,9 +76,13 @@ def test_gw_hp_on_its_kernels_matches_its_emulation_and_keeps_the_rowwise_forwar
     def rel(a, b):
         return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
-    for other in ("unfused", "emulated"):
-        for a, b in zip(out["fused"], out[other]):
-            assert rel(a, b) <= 2.0**-6, (other, rel(a, b))
+    for a, b in zip(out["fused"], out["unfused"]):  # the same kernels
+        assert rel(a, b) <= 2.0**-6, rel(a, b)
+    # against the emulation's fp32 products: the weight gradients (bf16 GEMMs) to bf16 rounding; the FP8 GEMMs
+    # differ by Hopper's fast accumulation in the forward (measured 2.8% of the largest output, rowwise alike:
+    # bench/results/gw_hp_errs_h200.log)
+    errs = [rel(a, b) for a, b in zip(out["fused"], out["emulated"])]
+    assert max(errs[2:]) <= 2.0**-6 and max(errs[:2]) <= 2.0**-4, errs
     assert torch.equal(out["fused"][0], out["rowwise"][0])
     assert rel(out["fused"][3], out["rowwise"][3]) > 1e-3
     M, K, N = 4096, 1024, 512
