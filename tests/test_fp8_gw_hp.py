@@ -99,6 +99,7 @@ def _layer_grads(layer, x):
     return [y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
+@pytest.mark.slow  # ~6 CPU s with the Triton interpreter
 def test_layer_gw_hp_fused_equals_unfused_and_only_weight_grads_change(backend):
     x = torch.randn(2, 12, 32)
     fused, unfused, plain = (_layer(GW_HP, True), _layer(GW_HP, False), _layer("fp8_rowwise", True))
