@@ -17,6 +17,14 @@ pytestmark = pytest.mark.skipif(
     or importlib.util.find_spec("torchao") is None, reason="needs an sm90 GPU and torchao")
 
 
+def _bf16_experts_layer() -> MoELayer:
+    """The seeded CUDA layer both tests run: 16 experts of 192 over D=256, top-4, bf16 experts."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(num_experts=16, top_k=4, expert_hidden_size=192), 256).cuda()
+    layer.experts.to(torch.bfloat16)
+    return layer
+
+
 @pytest.mark.parametrize("weights_by", ["experts", "combine"])
 def test_fused_layer_matches_the_unfused_torchao_path(monkeypatch, weights_by):
     from lightning_moe.callbacks.low_precision import LowPrecisionGroupedMM
@@ -25,12 +33,9 @@ def test_fused_layer_matches_the_unfused_torchao_path(monkeypatch, weights_by):
     if _triton_kernels.INTERPRET:
         pytest.skip("Triton's interpreter is on in this session: run this file on its own")
     monkeypatch.setenv(kernels.ENV_VAR, "triton")
-    torch.manual_seed(0)
-    D, F, E, k, T = 256, 192, 16, 4, 1000
-    layer = MoELayer(MoEConfig(num_experts=E, top_k=k, expert_hidden_size=F), D).cuda()
-    layer.experts.to(torch.bfloat16)
+    layer = _bf16_experts_layer()
     layer.replan(weights_applied_by=weights_by)
-    x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 1000, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     out = {}
     for fuse in (True, False):
@@ -57,11 +62,8 @@ def test_gw_hp_on_its_kernels_matches_its_emulation_and_keeps_the_rowwise_forwar
     if _triton_kernels.INTERPRET:
         pytest.skip("Triton's interpreter is on in this session: run this file on its own")
     monkeypatch.setenv(kernels.ENV_VAR, "triton")
-    torch.manual_seed(0)
-    D, F, E, k, T = 256, 192, 16, 4, 1000
-    layer = MoELayer(MoEConfig(num_experts=E, top_k=k, expert_hidden_size=F), D).cuda()
-    layer.experts.to(torch.bfloat16)
-    x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
+    layer = _bf16_experts_layer()
+    x = torch.randn(1, 1000, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     out = {}
     for name, recipe, emulate, fuse in (("fused", GW_HP, False, True), ("unfused", GW_HP, False, False),

@@ -11,7 +11,8 @@ Numerics: those of the unfused rowwise path, :class:`~lightning_moe.callbacks.Lo
 :mod:`lightning_moe.lowp.fp8_grouped`): e4m3 everywhere, power-of-two scales; forward x rowwise and w per
 (expert, n); dgrad dy rowwise and w per (expert, k); wgrad x and dy per (group, column) from their high-precision
 values (``wgrad_hp=True``, the ``fp8_rowwise_gw_hp`` recipe: the weight gradients a bf16 grouped GEMM of those
-high-precision values, no FP8). The fused quantizers produce bit for bit what the unfused path quantizes, so the two agree to fp32 rounding
+high-precision values, no FP8). The fused quantizers produce bit for bit what the unfused path quantizes, so the two
+agree to fp32 rounding
 (tests/test_fp8_fused.py, in emulation and with the Triton kernels under the interpreter). Operands: ``emulate=True``
 dequantizes and runs fp32 ``torch._grouped_mm`` (any device); else ``torch._scaled_grouped_mm`` on sm90 with
 torchao's own quantization kernels for every operand the fused passes do not produce.
