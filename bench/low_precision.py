@@ -50,7 +50,8 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
 
 Recipes (``--layer-recipes``, ``--step-recipes``, ``--recipes``): any may carry ``:dense`` or ``:experts``, e.g.
 ``fp8_rowwise:experts``: FP8 on that kind of GEMM only (``LowPrecisionTraining(dense=False)`` / ``(experts=False)``),
-to find which GEMMs cost the speed or the loss.
+to find which GEMMs cost the speed or the loss; and ``:precise``: no FP8 GEMM uses Hopper's fast accumulation
+(``LowPrecisionTraining(fast_accum=False)``), e.g. ``fp8_rowwise:experts:precise``.
 
 Targets (issue 23, bf16 time / FP8 time of the default ``auto``): at least 0.98 everywhere (never slower), Mixtral
 layer 1.3, DeepSeek-V3 layer 1.1, DeepSeek-V3-shaped step 1.1 (``SPEED_TARGETS``); printed beside each ratio.
@@ -142,8 +143,13 @@ class Budget:
         return False
 
 
-# ``recipe:scope``: the recipe on one kind of GEMM only (to find which GEMMs cost speed or loss)
-SCOPES = {"dense": {"experts": False}, "experts": {"dense": False}}
+# ``recipe:modifier[:modifier]``: the recipe on one kind of GEMM only (to find which GEMMs cost speed or loss), or
+# without Hopper's fast FP8 accumulation (``precise``: LowPrecisionTraining(fast_accum=False))
+SCOPES = {"dense": {"experts": False}, "experts": {"dense": False}, "precise": {"fast_accum": False}}
+
+
+def _modifiers(recipe: str) -> list[str]:
+    return recipe.split(":")[1:]
 
 
 def _emulate(recipe: str, args: argparse.Namespace) -> bool:
@@ -151,8 +157,10 @@ def _emulate(recipe: str, args: argparse.Namespace) -> bool:
 
 
 def _callback(recipe: str, args: argparse.Namespace, tokens: Optional[int] = None) -> LowPrecisionTraining:
-    name, _, scope = recipe.partition(":")
-    kw = {"fused_dense": args.dense_impl == "fused", **SCOPES.get(scope, {})}
+    name = recipe.partition(":")[0]
+    kw: dict[str, Any] = {"fused_dense": args.dense_impl == "fused"}
+    for modifier in _modifiers(recipe):
+        kw.update(SCOPES[modifier])
     if name == AUTO:  # tokens: the layer's; a train step's come from its datamodule
         return LowPrecisionTraining(AUTO, emulate=_emulate(recipe, args), tokens_per_microbatch=tokens,
                                     table=args.table, **kw)
@@ -408,9 +416,11 @@ def step_table(runs: list[dict[str, Any]]) -> str:
 def _recipes(value: str, allowed: tuple[str, ...], what: str, scoped: bool = False) -> tuple[str, ...]:
     out = tuple(v.strip() for v in value.split(",") if v.strip())
     bad = [v for v in out if (v.partition(":")[0] if scoped else v) not in allowed
-           or (scoped and v.partition(":")[2] not in ("", *SCOPES))]
+           or (not scoped and ":" in v) or any(m not in SCOPES for m in _modifiers(v))
+           or (SCOPES.keys() - {"precise"}) <= set(_modifiers(v)) or (v.startswith(REPEAT) and ":" in v)]
     if bad:
-        extra = f", each optionally with :{' or :'.join(SCOPES)}" if scoped else ""
+        extra = (", each optionally with :dense or :experts (not both) and/or :precise (no fast FP8 accumulation)"
+                 if scoped else "")
         raise SystemExit(f"{what}: unknown {bad}; choose from {list(allowed)}{extra}")
     return out
 

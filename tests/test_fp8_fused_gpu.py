@@ -97,3 +97,34 @@ def test_gw_hp_on_its_kernels_matches_its_emulation_and_keeps_the_rowwise_forwar
         res[emulate] = (xi.grad, wi.grad)
     assert rel(res[False][0], res[True][0]) <= 1e-2 and rel(res[False][1], res[True][1]) <= 1e-2
     assert rel(res[False][1], dyd.t() @ xd) <= 1e-2  # the high-precision weight gradient
+
+
+def test_precise_accumulation_leaves_only_the_output_rounding():
+    """``fast_accum=False`` (``_Ops`` of the grouped and of the dense GEMM): against the fp32 product of the same FP8
+    operands the error is the bf16 output's rounding alone, below the fast-accumulating GEMM's. Measured on an H200
+    (bench/results/accum_errs_h200.log): rms 1.66e-3 precise = bf16 rounding, 1.7-2.1e-3 fast."""
+    from lightning_moe.lowp import fp8_fused as ff
+    from lightning_moe.lowp import fp8_linear as fl
+
+    def rms(y, ref):
+        return ((y.float() - ref).norm() / ref.norm()).item()
+
+    torch.manual_seed(0)
+    E, M_e, K, N = 16, 1024, 2048, 768
+    ops = ff._Ops(emulate=False)
+    a = ops.rows(torch.randn(E * M_e, K, device="cuda").bfloat16())
+    b = ops.w_fwd((torch.randn(E, K, N, device="cuda") * 0.02).bfloat16())
+    offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * M_e
+    ref = torch._grouped_mm(a[0].float() * a[1][:, None], b[0].float() * b[1][:, None, :], offs=offs)
+    fast, precise = (rms(ops.mm(a, b, offs, torch.bfloat16, fast_accum=f), ref) for f in (True, False))
+    rounding = rms(ref.bfloat16(), ref)
+    assert precise <= 1.05 * rounding < fast, (precise, rounding, fast)
+    dense = fl._Ops("rowwise", emulate=False)
+    xo = dense.x_fwd(torch.randn(8192, 4096, device="cuda").bfloat16())
+    wo = dense.w_fwd((torch.randn(2048, 4096, device="cuda") * 0.02).bfloat16())
+    ref = (xo[0].float() * xo[1].float()) @ (wo[0].float() * wo[1].float()).t()
+    errs = []
+    for f in (True, False):
+        dense.fast_accum = f
+        errs.append(rms(dense.forward(xo, wo, torch.bfloat16), ref))
+    assert errs[1] <= 1.05 * rms(ref.bfloat16(), ref) < errs[0], errs

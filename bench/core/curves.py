@@ -190,19 +190,20 @@ def paired_stats(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def convergence_table(report: dict[str, Any]) -> str:
     """The baseline's final loss, then each ``compare`` summary of ``report["summary"]`` on a line."""
     st = report["settings"]
+    w = max([15] + [len(str(s["recipe"])) for s in report["summary"]])  # the recipe column (recipe:modifier names)
     lines = [f"convergence: {report['preset']}, {report['steps']} steps, precision {st['precision']}"
              + (f", lr {st['lr']:g}" if "lr" in st else "") + (f", master {st['master']}" if st.get("master") else "")
              + f", final = mean train loss of the last {report['smooth']} steps",
-             f"{'recipe':15s} {'steps':>6s} {'final':>8s} {'baseline':>9s} {'rel diff':>9s} {'target':>7s} "
+             f"{'recipe':{w}s} {'steps':>6s} {'final':>8s} {'baseline':>9s} {'rel diff':>9s} {'target':>7s} "
              f"{'ok':>5s} {'s/step':>7s} {'wall s':>7s}  note"]
     base = report["runs"][0] if report["runs"] else {}
-    lines.append(f"{base.get('recipe', BASE):15s} {len(base.get('losses', [])):6d} "
+    lines.append(f"{base.get('recipe', BASE):{w}s} {len(base.get('losses', [])):6d} "
                  f"{fmt_cell(smoothed(base.get('losses', []), report['smooth']), '8.4f')} "
                  f"{'':9s} {'':9s} {'':7s} {'':5s} {fmt_cell(base.get('mean_step_s'), '7.3f')} "
                  f"{fmt_cell(base.get('wall_s'), '7.0f')}  {base.get('skipped') or base.get('error') or ''}")
     for s in report["summary"]:
         rd = s.get("rel_diff")
-        lines.append(f"{s['recipe']:15s} {s.get('compared_steps', 0):6d} {fmt_cell(s.get('final'), '8.4f')} "
+        lines.append(f"{s['recipe']:{w}s} {s.get('compared_steps', 0):6d} {fmt_cell(s.get('final'), '8.4f')} "
                      f"{fmt_cell(s.get('baseline_final'), '9.4f')} "
                      f"{'-' if rd is None else format(100 * rd, '+8.2f') + '%':>9s} "
                      f"{'' if s['target'] is None else format(100 * s['target'], '6.0f') + '%':>7s} "
@@ -212,12 +213,12 @@ def convergence_table(report: dict[str, Any]) -> str:
                      f"{'' if s.get('same_data', True) else ' DIFFERENT DATA'}")
     if any(p["n"] > 1 for p in report.get("paired", [])):
         lines.append(f"over init seeds (each recipe vs the baseline of its seed; {BASE}: the other inits vs the "
-                     f"first): {'recipe':15s} {'n':>2s} {'mean':>8s} {'sd':>7s} {'min':>8s} {'max':>8s} "
+                     f"first): {'recipe':{w}s} {'n':>2s} {'mean':>8s} {'sd':>7s} {'min':>8s} {'max':>8s} "
                      f"{'target':>7s} {'ok':>5s}")
         for p in report["paired"]:
             pct = [("-" if p[k] is None else format(100 * p[k], ".2f" if k == "sd" else "+.2f") + "%")
                    for k in ("mean", "sd", "min", "max")]
-            lines.append(f"  {p['arm']:15s} {p['n']:2d} {pct[0]:>8s} {pct[1]:>7s} {pct[2]:>8s} {pct[3]:>8s} "
+            lines.append(f"  {p['arm']:{w}s} {p['n']:2d} {pct[0]:>8s} {pct[1]:>7s} {pct[2]:>8s} {pct[3]:>8s} "
                          f"{'' if p['target'] is None else format(100 * p['target'], '6.0f') + '%':>7s} "
                          f"{str(p['ok']):>5s}")
     return "\n".join(lines)

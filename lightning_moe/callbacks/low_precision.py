@@ -1,8 +1,9 @@
 """LowPrecisionTraining: FP8 (tensorwise / rowwise / blockwise, chosen per GEMM by default), MXFP8 and NVFP4 GEMMs for
 the dense linears and the routed experts.
 
-One piece (about 600 lines): the recipe checks, the per-GEMM choice and the model transform that applies it decide
-together which module gets which conversion; the kernels and the crossover table live in lightning_moe/lowp/.
+One piece (about 500 lines): the per-GEMM choice and the model transform that applies it decide together which module
+gets which conversion; the recipes and the GEMM implementations it installs are :mod:`lightning_moe.lowp.recipes`, the
+kernels and the crossover table the rest of lightning_moe/lowp/.
 
 A model transform (``transform_model``, DESIGN invariant 11): it changes the meta-device model before the strategy
 parallelises it, so it composes with every layout of :class:`~lightning_moe.MoEParallelStrategy`.
@@ -68,9 +69,6 @@ YAML (``lightning-moe fit``)::
       callbacks:
         - class_path: lightning_moe.callbacks.LowPrecisionTraining
           init_args: {recipe: fp8_rowwise}   # or {} for the per-GEMM choice (recipe: auto)
-
-One piece (over 500 lines): the callback's arguments, the per-GEMM decision it takes once and the model transform
-that applies it share the recipe's validation and hardware checks; the kernels and tables live in ``lowp/``.
 """
 
 from __future__ import annotations
@@ -85,190 +83,22 @@ from typing import Any, Optional, Sequence, Union
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor, nn
+from torch import nn
 
 import lightning_moe.lowp  # noqa: F401  (quiets what importing torchao prints)
 from lightning_moe.lowp.crossover import (BENCH_COMMAND, CrossoverTable, Gemm, device_arch, model_gemms,
                                           shipped_table_path)
 from lightning_moe.lowp.fp8_linear import Fp8InputCache, Fp8Linear, Fp8QuantRMSNorm, fp8_class
 from lightning_moe.lowp.gemm_choice import GemmDecision, decide, decision_table
+from lightning_moe.lowp.recipes import (ALWAYS_KEPT, AUTO, AUTO_RECIPES, BLOCK_RECIPES, GW_HP, LINEAR_OF, RECIPES,
+                                       ROWWISE_GROUPED, SWAPPED_RECIPES, TORCHAO_RECIPE, BlockScaledLinear,
+                                       LowPrecisionGroupedMM, PerShapeGroupedMM, block_class, check_hardware,
+                                       load_block_formats)
 from lightning_moe.moe.grouped_mm import GroupedMM, TorchGroupedMM
 
-__all__ = ["BlockScaledLinear", "LowPrecisionGroupedMM", "LowPrecisionTraining", "PerShapeGroupedMM", "RECIPES",
-           "check_hardware"]
-
-# recipe -> (what it does, the block size / alignment dense dims and expert group sizes need)
-RECIPES = {
-    "fp8_tensorwise": ("dense: torchao float8 tensorwise; experts: FP8 rowwise grouped GEMM", 16),
-    "fp8_rowwise": ("dense: torchao float8 rowwise; experts: FP8 rowwise grouped GEMM", 16),
-    "fp8_rowwise_gw_hp": ("fp8_rowwise with every weight-gradient GEMM in high precision and the experts' input "
-                          "gradients without fast accumulation (torchao's rowwise_with_gw_hp idea)", 16),
-    "mxfp8": ("MXFP8 (32-element blocks, E8M0 scales), emulated", 32),
-    "nvfp4": ("NVFP4 (16-element blocks, E4M3 scales + fp32 tensor scale, RHT, stochastic rounding), emulated", 16),
-    "fp8_blockwise": ("dense and experts: FP8 with 1x128 activation tiles and 128x128 weight blocks (torchao's "
-                      "blockwise FP8 training kernels)", 128),
-}
-AUTO = "auto"  # per-GEMM choice from the crossover table (lightning_moe.lowp.crossover)
-AUTO_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")  # what the table measures and auto may pick
-BLOCK_RECIPES = ("mxfp8", "nvfp4")
-GW_HP = "fp8_rowwise_gw_hp"
-ROWWISE_GROUPED = ("fp8_tensorwise", "fp8_rowwise", GW_HP)  # recipes whose experts run the FP8 rowwise grouped GEMM
-# our eager FP8 linear's recipe and wgrad_hp for each recipe it runs; torchao's recipe name inside compiled regions
-LINEAR_OF = {"fp8_tensorwise": ("tensorwise", False), "fp8_rowwise": ("rowwise", False), GW_HP: ("rowwise", True)}
-TORCHAO_RECIPE = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise", GW_HP: "rowwise_with_gw_hp"}
-SWAPPED_RECIPES = BLOCK_RECIPES + ("fp8_blockwise",)  # dense linears get their class swapped (not torchao's convert)
-# modules that stay in the run's precision whatever the options (suffixes of module names)
-ALWAYS_KEPT = ("output", "gate")  # the LM head; the shared experts' sigmoid gate (out dim 1)
-
-
-def check_hardware(recipe: str, emulate: bool, device: Union[str, torch.device], *, dense: bool = True,
-                   experts: bool = True) -> None:
-    """Raise a ValueError when ``recipe`` has no kernels on ``device`` and ``emulate`` is False."""
-    if emulate:
-        return
-    device = torch.device(device)
-    if recipe in BLOCK_RECIPES:
-        raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): {recipe.upper()} kernels need sm100 (Blackwell) and "
-                         "are not wired in lightning_moe; pass emulate=True to train with the emulated numerics")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) needs a CUDA GPU with FP8 tensor cores (sm89+ for "
-                         f"the dense linears, sm90+ for the experts); on {device.type} pass emulate=True")
-    cap = torch.cuda.get_device_capability(device)
-    need = (9, 0) if experts or recipe == "fp8_blockwise" else (8, 9)
-    if cap < need:
-        raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) needs sm{need[0]}{need[1]}+ "
-                         f"({'FP8 grouped GEMM for the experts' if experts else 'FP8 GEMM'}), this GPU is "
-                         f"sm{cap[0]}{cap[1]}; pass emulate=True (or experts=False on sm89)")
-    try:
-        import torchao.float8  # noqa: F401
-        if experts:
-            import torchao.prototype.moe_training  # noqa: F401
-        if recipe == "fp8_blockwise":
-            import torchao.prototype.blockwise_fp8_training.linear  # noqa: F401
-    except ImportError as e:
-        raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) needs torchao>=0.18 (pip install "
-                         f"'lightning_moe[ao]'): {e}") from e
-
-
-def _block_formats():
-    try:
-        from lightning_moe.lowp import block_formats
-    except ImportError as e:  # pragma: no cover - until lightning_moe.lowp.block_formats is merged
-        raise ValueError("LowPrecisionTraining: the MXFP8 / NVFP4 recipes need lightning_moe.lowp.block_formats, "
-                         f"which this installation lacks ({e})") from e
-    return block_formats
-
-
-class BlockScaledLinear(nn.Linear):
-    """``nn.Linear`` whose GEMMs (forward and backward) run in a block-scaled recipe: MXFP8 / NVFP4 (emulated) or
-    FP8 blockwise (torchao's kernels, or emulated with ``lowp_emulate``). Same parameters and state-dict keys as the
-    ``nn.Linear`` it replaces (its class is swapped in place)."""
-
-    lowp_recipe: str = "mxfp8"
-    lowp_emulate: bool = True
-
-    def forward(self, x: Tensor) -> Tensor:
-        w = self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight
-        if self.lowp_recipe == "fp8_blockwise":
-            from lightning_moe.lowp import fp8_blockwise as fb
-
-            y = (fb.emulated_fp8_blockwise_linear if self.lowp_emulate else fb.fp8_blockwise_linear)(x, w)
-        else:
-            fn = _block_formats().block_scaled_linear
-            y = fn(x.reshape(-1, x.shape[-1]), w, self.lowp_recipe).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.lowp_recipe}"
-
-
-class LowPrecisionGroupedMM(GroupedMM):
-    """The low-precision grouped GEMM of the routed experts (a plain object: no state-dict keys)."""
-
-    fallback_hint = "fix the shapes, or keep these experts in high precision with keep_bf16"
-
-    def __init__(self, recipe: str, emulate: bool, name: str = "experts", *, fuse: bool = True,
-                 cache_weights: bool = True) -> None:
-        self.recipe, self.emulate, self.name = recipe, emulate, name
-        self.align = RECIPES[recipe][1]
-        # the rowwise grouped GEMM's numerics (lightning_moe.lowp.fp8_fused._Ops)
-        self.wgrad_hp = self.precise_dgrad = recipe == GW_HP
-        # both FP8 recipes run the experts as the rowwise grouped GEMM, whose quantization the experts' own passes can
-        # do (lightning_moe.lowp.fp8_fused); fuse=False keeps the unfused reference path
-        self.fused_fp8 = fuse and recipe in ROWWISE_GROUPED
-        self.weight_cache = None
-        if self.fused_fp8 and cache_weights:
-            from lightning_moe.lowp.fp8_fused import Fp8WeightCache
-
-            self.weight_cache = Fp8WeightCache()
-
-    def __repr__(self) -> str:
-        fused = f", fused_fp8=True, cache_weights={self.weight_cache is not None}" if self.fused_fp8 else ""
-        return f"LowPrecisionGroupedMM(recipe={self.recipe!r}, emulate={self.emulate}{fused})"
-
-    def _check_dims(self, K: int, N: int) -> None:
-        if K % self.align or N % self.align:
-            raise ValueError(f"LowPrecisionTraining({self.recipe}): {self.name} GEMM dims K={K}, N={N} (local shard) "
-                             f"must be multiples of {self.align}; keep it in high precision with keep_bf16")
-
-    def swiglu_down(self, g_RF: Tensor, u_RF: Tensor, probs_R: Optional[Tensor], w_EKN: Tensor,
-                    offs_E: Tensor) -> Tensor:
-        from lightning_moe.lowp.fp8_fused import fp8_swiglu_down
-
-        self._check_dims(*w_EKN.shape[-2:])
-        return fp8_swiglu_down(g_RF, u_RF, probs_R, w_EKN, offs_E, emulate=self.emulate, cache=self.weight_cache,
-                               wgrad_hp=self.wgrad_hp, bwd_fast_accum=not self.precise_dgrad)
-
-    def gather_gate_up(self, x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EKN: Tensor, w3_EKN: Tensor,
-                       offs_E: Tensor) -> tuple[Tensor, Tensor]:
-        from lightning_moe.lowp.fp8_fused import fp8_gather_gate_up
-
-        self._check_dims(*w1_EKN.shape[-2:])
-        return fp8_gather_gate_up(x_TD, asg_R, pos_TK, w1_EKN, w3_EKN, offs_E, emulate=self.emulate,
-                                  cache=self.weight_cache, wgrad_hp=self.wgrad_hp,
-                                  bwd_fast_accum=not self.precise_dgrad)
-
-    def _fn(self):
-        if self.recipe in BLOCK_RECIPES:
-            gmm, recipe = _block_formats().block_scaled_grouped_mm, self.recipe
-            return lambda x, w, offs: gmm(x, w, offs, recipe)
-        if self.recipe == "fp8_blockwise":
-            from lightning_moe.lowp import fp8_blockwise as fb
-
-            return fb.emulated_fp8_blockwise_grouped_mm if self.emulate else fb.fp8_blockwise_grouped_mm
-        if self.wgrad_hp or self.precise_dgrad:  # numerics torchao's function does not offer
-            from lightning_moe.lowp.fp8_fused import fp8_rowwise_grouped_mm
-
-            kw = {"emulate": self.emulate, "wgrad_hp": self.wgrad_hp, "bwd_fast_accum": not self.precise_dgrad}
-            return lambda x, w, offs: fp8_rowwise_grouped_mm(x, w, offs, **kw)
-        from lightning_moe.lowp import fp8_grouped
-
-        return fp8_grouped.emulated_fp8_rowwise_grouped_mm if self.emulate else fp8_grouped.fp8_rowwise_grouped_mm
-
-    def __call__(self, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
-        from lightning_moe.lowp.fp8_grouped import grouped_mm_padded
-
-        self._check_dims(*w_EKN.shape[-2:])
-        return grouped_mm_padded(self._fn(), x_MK, w_EKN, offs_E, self.align)
-
-
-class PerShapeGroupedMM(GroupedMM):
-    """The experts' grouped GEMM when ``recipe="auto"`` chose differently for gate / up and down: the
-    implementation of each projection, told apart by the local weight operand's (K, N); any other shape is
-    ``torch._grouped_mm``. Not ``exact_torch`` (one projection is quantized), no loop fallback (it would skip it)."""
-
-    fallback_hint = LowPrecisionGroupedMM.fallback_hint
-
-    def __init__(self, by_shape: dict[tuple[int, int], GroupedMM]) -> None:
-        self.by_shape = dict(by_shape)
-        self.default = TorchGroupedMM()
-
-    def __repr__(self) -> str:
-        return f"PerShapeGroupedMM({self.by_shape!r})"
-
-    def __call__(self, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
-        return self.by_shape.get(tuple(w_EKN.shape[-2:]), self.default)(x_MK, w_EKN, offs_E)
-
+# the recipes and GEMM implementations live in lightning_moe.lowp.recipes; importable from here as before
+__all__ = ["AUTO", "BLOCK_RECIPES", "GW_HP", "BlockScaledLinear", "LowPrecisionGroupedMM", "LowPrecisionTraining",
+           "PerShapeGroupedMM", "RECIPES", "check_hardware"]
 
 def _as_list(value: Union[str, Sequence[str], None]) -> list[str]:
     if value is None:
@@ -314,6 +144,11 @@ class LowPrecisionTraining(L.Callback):
             until the next optimizer step, so a recompute or another micro-batch does not quantize it again: up to
             the size of the bf16 expert weights in extra memory. Off when FSDP shards the experts (``edp_shard >
             1``: the copies would be the unsharded weights).
+        fast_accum: (``fp8_tensorwise`` / ``fp8_rowwise`` / ``fp8_rowwise_gw_hp``) let the FP8 GEMMs use Hopper's
+            fast FP8 accumulation where torchao does: the forward GEMMs, and the experts' backward GEMMs (the dense
+            backward never does; ``fp8_rowwise_gw_hp``'s experts' backward does not). False: no FP8 GEMM does, every
+            partial sum is promoted to fp32 (DeepSeek-V3's practice; slower GEMMs, and ``auto``'s table was measured
+            with the default). The block-scaled recipes and emulation accumulate in fp32 either way.
 
     ``recipe="auto"``: when the model is built, every dense linear (M = tokens per micro-batch) and every MoE layer's
     gate / up and down grouped GEMM (M = tokens * top_k / local experts) is looked up in the table by its local
@@ -327,7 +162,7 @@ class LowPrecisionTraining(L.Callback):
                  keep_bf16: Union[str, Sequence[str], None] = (), force: Union[str, Sequence[str], None] = (),
                  tokens_per_microbatch: Optional[int] = None, table: Union[str, Path, dict, None] = None,
                  min_speedup: float = 1.0, fsdp_float8_all_gather: bool = False, fuse_quant: bool = True,
-                 cache_fp8_weights: bool = True, fused_dense: bool = True) -> None:
+                 cache_fp8_weights: bool = True, fused_dense: bool = True, fast_accum: bool = True) -> None:
         if recipe != AUTO and recipe not in RECIPES:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: "
                              f"{[AUTO, *RECIPES]}")
@@ -352,6 +187,7 @@ class LowPrecisionTraining(L.Callback):
         self.fsdp_float8_all_gather = bool(fsdp_float8_all_gather)
         self.fuse_quant, self.cache_fp8_weights = bool(fuse_quant), bool(cache_fp8_weights)
         self.fused_dense = bool(fused_dense)
+        self.fast_accum = bool(fast_accum)
         self._edp_shard = 1
         # data ranks FSDP2 spans for the dense weights; None until setup knows the layout. The dense FP8 weight cache
         # needs 1 (FSDP2 refills its unsharded weights without a version bump, so a cached copy could go stale)
@@ -367,7 +203,8 @@ class LowPrecisionTraining(L.Callback):
     def __repr__(self) -> str:
         return (f"LowPrecisionTraining(recipe={self.recipe!r}, emulate={self.emulate}, experts={self.experts}, "
                 f"dense={self.dense}, keep_bf16={list(self.keep_bf16)}"
-                + (f", force={list(self.force)})" if self.recipe == AUTO else ")"))
+                + (f", force={list(self.force)}" if self.recipe == AUTO else "")
+                + ("" if self.fast_accum else ", fast_accum=False") + ")")
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
@@ -566,7 +403,8 @@ class LowPrecisionTraining(L.Callback):
 
     def _grouped_mm(self, recipe: str, name: str) -> LowPrecisionGroupedMM:
         return LowPrecisionGroupedMM(recipe, self.emulate, name, fuse=self.fuse_quant,
-                                     cache_weights=self.cache_fp8_weights and self._edp_shard == 1)
+                                     cache_weights=self.cache_fp8_weights and self._edp_shard == 1,
+                                     fast_accum=self.fast_accum)
 
     def _compiled_linear(self, name: str) -> bool:
         """Whether the dense linear ``name`` runs inside a region ``MoEParallelStrategy(compile=...)`` compiles."""
@@ -584,10 +422,10 @@ class LowPrecisionTraining(L.Callback):
         original = {name: type(model.get_submodule(name)) for name in names}
         if recipe in SWAPPED_RECIPES:
             if recipe in BLOCK_RECIPES:
-                _block_formats()  # fail now (a clear error), not in the first forward
+                load_block_formats()  # fail now (a clear error), not in the first forward
             for name in names:
                 m = model.get_submodule(name)
-                m.__class__ = _block_class(original[name])
+                m.__class__ = block_class(original[name])
                 m.lowp_recipe, m.lowp_emulate = recipe, self.emulate
             return
         try:
@@ -595,8 +433,11 @@ class LowPrecisionTraining(L.Callback):
         except ImportError as e:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) converts the dense linears with torchao>=0.18 "
                              f"(pip install 'lightning_moe[ao]'), which failed to import: {e}; or pass dense=False") from e
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(TORCHAO_RECIPE[recipe]),
-                                     emulate=self.emulate,
+        config = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPE[recipe])
+        if not self.fast_accum:  # torchao uses it in the forward only
+            config = dataclasses.replace(config, gemm_config_output=dataclasses.replace(config.gemm_config_output,
+                                                                                        use_fast_accum=False))
+        config = dataclasses.replace(config, emulate=self.emulate,
                                      enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in names)
         if self.fsdp_float8_all_gather:
@@ -623,6 +464,7 @@ class LowPrecisionTraining(L.Callback):
             m = model.get_submodule(name)
             m.__class__ = fp8_class(Fp8Linear, type(m))
             m.lowp_recipe, m.lowp_emulate, m.lowp_wgrad_hp = recipe, self.emulate, wgrad_hp
+            m.lowp_fast_accum = self.fast_accum
             m.lowp_weight_cache = Fp8WeightCache() if self._dense_data_ranks == 1 and self.cache_fp8_weights else None
             m.lowp_input_cache = None
             parent, _, leaf = name.rpartition(".")
@@ -652,16 +494,6 @@ class LowPrecisionTraining(L.Callback):
 
 # linears that read one activation: (role) -> module leaf names; the attention's are its input projections
 SHARED_INPUT = {"attention": ("wq", "wk", "wv", "wq_a", "wkv_a"), "mlp": ("w1", "w3")}
-
-_BLOCK_CLASSES: dict[type, type] = {nn.Linear: BlockScaledLinear}
-
-
-def _block_class(cls: type) -> type:
-    """BlockScaledLinear's forward on top of ``cls`` (an nn.Linear subclass keeps its own init)."""
-    if cls not in _BLOCK_CLASSES:
-        _BLOCK_CLASSES[cls] = type(f"BlockScaled{cls.__name__.lstrip('_')}", (BlockScaledLinear, cls), {})
-    return _BLOCK_CLASSES[cls]
-
 
 def _plain_fp8_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``state_dict`` post-hook of a Float8Linear whose weight torchao wrapped for the FP8 all-gather

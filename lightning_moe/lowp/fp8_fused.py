@@ -102,10 +102,13 @@ class Fp8WeightCache:
 class _Ops:
     """One implementation of the FP8 rowwise grouped GEMM's pieces; operands are :data:`Operand` pairs.
     ``wgrad_hp``: weight gradients as high-precision grouped GEMMs (no FP8); ``bwd_fast_accum``: Hopper's fast FP8
-    accumulation in the dgrad GEMMs too (torchao's grouped default; its dense default keeps it to the forward)."""
+    accumulation in the backward GEMMs too (torchao's grouped default; its dense default keeps it to the forward);
+    ``fwd_fast_accum``: in the forward GEMMs (torchao's default; False promotes the partial sums to fp32)."""
 
-    def __init__(self, emulate: bool, wgrad_hp: bool = False, bwd_fast_accum: bool = True) -> None:
-        self.emulate, self.wgrad_hp, self.bwd_fast_accum = emulate, wgrad_hp, bwd_fast_accum
+    def __init__(self, emulate: bool, wgrad_hp: bool = False, bwd_fast_accum: bool = True,
+                 fwd_fast_accum: bool = True) -> None:
+        self.emulate, self.wgrad_hp = emulate, wgrad_hp
+        self.bwd_fast_accum, self.fwd_fast_accum = bwd_fast_accum, fwd_fast_accum
         # e4m3 values in fp32 under emulation (Triton's interpreter cannot store fp8; fp32 holds them exactly)
         self.q_dtype = torch.float32 if emulate else E4M3
 
@@ -141,10 +144,13 @@ class _Ops:
             q, scale = triton_fp8_rowwise_3d_transpose_rhs(w_EKN, output_dtype=E4M3, round_scales_to_power_of_2=True)
             return q, scale.squeeze(1).reciprocal()
 
-    def mm(self, a: Operand, b: Operand, offs: Tensor, out_dtype: torch.dtype, fast_accum: bool = True) -> Tensor:
+    def mm(self, a: Operand, b: Operand, offs: Tensor, out_dtype: torch.dtype,
+           fast_accum: Optional[bool] = None) -> Tensor:
+        """A forward GEMM (``fast_accum`` None: ``fwd_fast_accum``), or the dgrad's."""
         if self.emulate:
             return torch._grouped_mm(a[0], b[0], offs=offs).to(out_dtype)
-        return torch._scaled_grouped_mm(a[0], b[0], a[1], b[1], offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        fast = self.fwd_fast_accum if fast_accum is None else fast_accum
+        return torch._scaled_grouped_mm(a[0], b[0], a[1], b[1], offs, out_dtype=out_dtype, use_fast_accum=fast)
 
     def dgrad(self, dy_PN: Tensor, w_op: Operand, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
         """``dx = dy @ w[g].T``, ``w_op`` from :meth:`w_dgrad`."""
@@ -238,11 +244,11 @@ def _swiglu_backward(g: Tensor, u: Tensor, p: Optional[Tensor], dh: Tensor,
 
 def fp8_swiglu_down(g_RF: Tensor, u_RF: Tensor, p_R: Optional[Tensor], w_EFD: Tensor, offs_E: Tensor, *,
                     emulate: bool, cache: Optional[Fp8WeightCache] = None, wgrad_hp: bool = False,
-                    bwd_fast_accum: bool = True) -> Tensor:
+                    bwd_fast_accum: bool = True, fwd_fast_accum: bool = True) -> Tensor:
     """``grouped_mm(swiglu(g, u, p), w_EFD, offs)`` in the FP8 rowwise recipe with SwiGLU's output quantized by the
     SwiGLU kernel itself (the down GEMM takes its FP8 data and row scales: no second pass over h). [R, D] in the
-    compute dtype; the numbers of the unfused path (module docstring). ``wgrad_hp``, ``bwd_fast_accum``: ``_Ops``."""
-    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum)
+    compute dtype; the numbers of the unfused path (module docstring). ``wgrad_hp``, ``*_fast_accum``: ``_Ops``."""
+    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum)
     return _Fp8SwiGLUDown.apply(g_RF, u_RF, p_R, w_EFD, offs_E, ops, cache)
 
 
@@ -287,12 +293,13 @@ class _Fp8GatherGateUp(torch.autograd.Function):
 
 def fp8_gather_gate_up(x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EDF: Tensor, w3_EDF: Tensor, offs_E: Tensor,
                        *, emulate: bool, cache: Optional[Fp8WeightCache] = None, wgrad_hp: bool = False,
-                       bwd_fast_accum: bool = True) -> tuple[Tensor, Tensor]:
+                       bwd_fast_accum: bool = True, fwd_fast_accum: bool = True) -> tuple[Tensor, Tensor]:
     """The gate and up grouped GEMMs of the rows ``x_TD[asg_R // k]`` (``pos_TK`` the rows of each token's
     assignments, -1 none) in the FP8 rowwise recipe, the rows quantized as they are gathered
     (:func:`lightning_moe.moe.kernels.gather_quant_rowwise`, once for both GEMMs). Triton kernels only (CUDA or the
-    interpreter): the experts take this path only where they gather their own rows."""
-    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum)
+    interpreter): the experts take this path only where they gather their own rows. ``wgrad_hp``, ``*_fast_accum``:
+    ``_Ops``."""
+    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum)
     return _Fp8GatherGateUp.apply(x_TD, asg_R, pos_TK, w1_EDF, w3_EDF, offs_E, ops, cache)
 
 
@@ -319,8 +326,8 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
 
 
 def fp8_rowwise_grouped_mm(x_PK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, emulate: bool, wgrad_hp: bool = False,
-                           bwd_fast_accum: bool = True) -> Tensor:
+                           bwd_fast_accum: bool = True, fwd_fast_accum: bool = True) -> Tensor:
     """``torch._grouped_mm(x, w, offs=offs)`` in the FP8 rowwise recipe, each operand quantized here (groups already
     16-aligned: :func:`~lightning_moe.lowp.fp8_grouped.pad_groups`); with the defaults, the numbers of torchao's
-    ``_to_fp8_rowwise_then_scaled_grouped_mm``. ``wgrad_hp``, ``bwd_fast_accum``: ``_Ops``."""
-    return _Fp8RowwiseGroupedMM.apply(x_PK, w_EKN, offs_E, _Ops(emulate, wgrad_hp, bwd_fast_accum))
+    ``_to_fp8_rowwise_then_scaled_grouped_mm``. ``wgrad_hp``, ``*_fast_accum``: ``_Ops``."""
+    return _Fp8RowwiseGroupedMM.apply(x_PK, w_EKN, offs_E, _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum))

@@ -25,7 +25,8 @@ with, ``emulate=True`` on both sides):
   x (and its scale) *is* the wgrad's operand, transposed, so the backward keeps it instead of the bf16 x: half the
   bytes of the input saved per linear.
 
-Products accumulate in fp32 (``torch._scaled_mm``; fast accumulation in the forward, as torchao configures it); the
+Products accumulate in fp32 (``torch._scaled_mm``; fast accumulation in the forward, as torchao configures it, unless
+``fast_accum=False``); the
 output is in x's dtype. ``emulate=True`` quantize-dequantizes with the same scales and runs fp32 matmuls (any device).
 
 Kernels (``emulate=False``, CUDA sm89+): ``torch._scaled_mm``, and every cast one of our Triton passes
@@ -131,9 +132,9 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype
 class _Ops:
     """One implementation of the linear's quantized operands and GEMMs; operands are :data:`Operand` pairs."""
 
-    def __init__(self, recipe: str, emulate: bool, wgrad_hp: bool = False) -> None:
+    def __init__(self, recipe: str, emulate: bool, wgrad_hp: bool = False, fast_accum: bool = True) -> None:
         assert recipe in LINEAR_RECIPES and not (wgrad_hp and recipe != "rowwise")
-        self.recipe, self.emulate, self.wgrad_hp = recipe, emulate, wgrad_hp
+        self.recipe, self.emulate, self.wgrad_hp, self.fast_accum = recipe, emulate, wgrad_hp, fast_accum
 
     # -- rowwise ---------------------------------------------------------------------------------------------------
     def _rows(self, x_MC: Tensor) -> Operand:
@@ -206,7 +207,7 @@ class _Ops:
         if self.emulate:
             return (x[0] @ w[0].t()).to(out_dtype)
         scale_b = w[1].reshape(1, -1) if self.recipe == "rowwise" else w[1]
-        return _scaled_mm(x[0], w[0].t(), x[1], scale_b, out_dtype, fast_accum=True)
+        return _scaled_mm(x[0], w[0].t(), x[1], scale_b, out_dtype, fast_accum=self.fast_accum)
 
     def dgrad(self, dy: Any, w_op: Operand, out_dtype: torch.dtype) -> Tensor:
         """``dx = dy @ w``; ``w_op``: :meth:`w_dgrad`; ``dy``: the bf16 dy (rowwise) or :meth:`dy_tensorwise`."""
@@ -287,12 +288,13 @@ def _fp8_linear_2d(x_MK: Tensor, w_NK: Tensor, x_op: Operand, ops: _Ops, cache: 
 
 @torch.compiler.disable  # eager kernels and Python caches: the callback uses this module outside compiled regions
 def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_cache: Any = None,
-               input_cache: Optional[Fp8InputCache] = None, wgrad_hp: bool = False) -> Tensor:
+               input_cache: Optional[Fp8InputCache] = None, wgrad_hp: bool = False, fast_accum: bool = True) -> Tensor:
     """``x @ w.T`` ([..., K] -> [..., N], x's dtype) in the FP8 ``recipe`` (``rowwise`` / ``tensorwise``; the module
     docstring), gradients for x and w. ``weight_cache``: an :class:`~lightning_moe.lowp.fp8_fused.Fp8WeightCache`
     (the weight's FP8 copies made once per optimizer step). ``input_cache``: an :class:`Fp8InputCache` shared with
     the other linears (and the norm) reading the same x, so x is quantized once. ``wgrad_hp`` (``rowwise`` only):
-    the weight gradient as a high-precision GEMM."""
+    the weight gradient as a high-precision GEMM. ``fast_accum``: the forward GEMM accumulates with Hopper's fast FP8
+    accumulation (torchao's default); False promotes its partial sums to fp32, as the backward GEMMs always do."""
     if recipe not in LINEAR_RECIPES:
         raise ValueError(f"fp8_linear(recipe={recipe!r}): one of {LINEAR_RECIPES}")
     if wgrad_hp and recipe != "rowwise":
@@ -303,7 +305,7 @@ def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_ca
         raise ValueError(f"fp8_linear: in / out features {K} / {N} must be multiples of {ALIGN} (FP8 GEMM alignment); "
                          "keep this linear in high precision (keep_bf16)")
     w = w_NK.to(x.dtype) if w_NK.dtype != x.dtype else w_NK
-    ops = _Ops(recipe, emulate, wgrad_hp)
+    ops = _Ops(recipe, emulate, wgrad_hp, fast_accum)
     x_MK = x.reshape(-1, K)
     x_op = input_cache.read(x, recipe) if input_cache is not None else None
     if x_op is None:
@@ -372,22 +374,24 @@ def fp8_rms_norm(x: Tensor, weight: Tensor, eps: float, *, emulate: bool, input_
 
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` whose GEMMs run :func:`fp8_linear` (set by ``LowPrecisionTraining``: ``lowp_recipe``,
-    ``lowp_emulate``, ``lowp_weight_cache``, ``lowp_input_cache``, ``lowp_wgrad_hp``)."""
+    ``lowp_emulate``, ``lowp_weight_cache``, ``lowp_input_cache``, ``lowp_wgrad_hp``, ``lowp_fast_accum``)."""
 
     lowp_recipe: str = "rowwise"
     lowp_emulate: bool = False
     lowp_wgrad_hp: bool = False
+    lowp_fast_accum: bool = True
     lowp_weight_cache: Any = None
     lowp_input_cache: Optional[Fp8InputCache] = None
 
     def forward(self, x: Tensor) -> Tensor:
         y = fp8_linear(x, self.weight, recipe=self.lowp_recipe, emulate=self.lowp_emulate,
                        weight_cache=self.lowp_weight_cache, input_cache=self.lowp_input_cache,
-                       wgrad_hp=self.lowp_wgrad_hp)
+                       wgrad_hp=self.lowp_wgrad_hp, fast_accum=self.lowp_fast_accum)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.lowp_recipe}{', wgrad_hp' if self.lowp_wgrad_hp else ''}"
+        flags = (", wgrad_hp" if self.lowp_wgrad_hp else "") + ("" if self.lowp_fast_accum else ", fast_accum=False")
+        return f"{super().extra_repr()}, fp8={self.lowp_recipe}{flags}"
 
 
 class Fp8QuantRMSNorm(nn.Module):
