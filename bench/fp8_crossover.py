@@ -120,6 +120,10 @@ def dense_step(recipe: Optional[str], N: int, K: int, M: int, device: torch.devi
     x = torch.randn(M, K, device=device, dtype=dtype, generator=gen).requires_grad_(True)
     dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
     w = model.proj.weight
+    if compiled:
+        # every point compiles afresh: the frames of all points share one code object, whose cache would hit dynamo's
+        # recompile limit after 8 shapes and silently run the rest eagerly (the first compiled sweep measured that)
+        torch.compiler.reset()
     fwd = torch.compile(model, dynamic=False) if compiled else model
     return lambda: torch.autograd.grad(fwd(x), (x, w), dy)
 
@@ -235,6 +239,10 @@ def merged_entries(path: str, remeasure: list[str], recipes: list[str]) -> tuple
             and not (e["kind"] in remeasure and e["recipe"] in recipes)]
     source = {k: prior.get(k) for k in ("command", "date", "torch", "torchao", "gpu")}
     source["entries_kept"] = len(keep)
+    # every sweep the kept entries came from, oldest first (the header's command, m_grid and presets are this sweep's)
+    older = prior.get("merged_from", {}).get("history") or (
+        [{k: v for k, v in prior["merged_from"].items() if k != "history"}] if prior.get("merged_from") else [])
+    source["history"] = [*older, {k: v for k, v in source.items() if k != "entries_kept"}]
     return keep, {(shape_key(e), e["recipe"]) for e in keep}, source, list(prior.get("not_run", []))
 
 

@@ -79,8 +79,11 @@ def test_merge_resumes_a_cut_sweep_and_remeasures_a_kind(bench, tmp_path):
     assert dense and all(list(e["ratios"]) == [str(m) for m in full["m_grid"]] for e in dense)  # measured now
     assert resumed["complete"] is True and resumed["not_run"] == []
     assert resumed["merged_from"]["entries_kept"] == len(grouped)
-    again = _run(bench, tmp_path / "again", "--merge", str(cut_dir / "cpu.json"), "--remeasure", "grouped")
+    assert [h["command"] for h in resumed["merged_from"]["history"]] == [cut["command"]]
+    again = _run(bench, tmp_path / "again", "--merge", str(tmp_path / "resumed" / "cpu.json"), "--remeasure", "grouped")
     assert all(list(e["ratios"]) == [str(m) for m in full["m_grid"]] for e in again["entries"])
+    # a merge of a merged table keeps every earlier sweep's command, oldest first
+    assert [h["command"] for h in again["merged_from"]["history"]] == [cut["command"], resumed["command"]]
     with pytest.raises(SystemExit, match="--remeasure"):
         bench.parse_args(["--device", "cpu", "--remeasure", "grouped"])
 
