@@ -104,7 +104,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import moe_layer, train_step
-from bench.core.curves import BASE, REPEAT, convergence_table, save_curves
+from bench.core.curves import BASE, REPEAT, convergence_table, save_curves, tightest_target
 from bench.core.kernel_profile import profile_lines, profile_step
 from bench.core.text import err as _err, fmt_cell as _fmt, log
 from bench.lowp_convergence import BENCH8_LR, bench8_config, bench_convergence
@@ -553,7 +553,8 @@ def plot_from(path: Path) -> int:
         log(f"{path}: no convergence runs to plot")
         return 1
     title = f"{conv.get('preset')}, {conv.get('settings', {}).get('precision')}"
-    return 0 if save_curves(conv["runs"], path, conv.get("smooth", 20), title) else 1
+    return 0 if save_curves(conv["runs"], path, conv.get("smooth", 20), title,
+                            tightest_target(conv.get("summary", []))) else 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

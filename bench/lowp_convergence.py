@@ -13,7 +13,7 @@ import torch
 
 from bench import train_step
 from bench.core.curves import (BASE, REPEAT, compare, convergence_table, paired_stats, reference_runs, run_arm,
-                               run_key, run_label, save_curves)
+                               run_key, run_label, save_curves, tightest_target)
 from bench.core.text import log
 from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES
 
@@ -140,6 +140,7 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
         report["summary"].append(s_r)
     report["paired"] = paired_stats(report["summary"])
     log(convergence_table(report))
-    path = save_curves(report["runs"], Path(args.out), args.smooth, f"{args.preset}, {args.precision}")
+    path = save_curves(report["runs"], Path(args.out), args.smooth, f"{args.preset}, {args.precision}",
+                       tightest_target(report["summary"]))
     report["curves"] = str(path) if path else None
     return report

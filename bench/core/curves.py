@@ -45,7 +45,40 @@ def pyplot_or_csv(stem: Path, header: list[str], rows: Iterable[Sequence[Any]]) 
     return plt, None
 
 
-def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) -> Optional[Path]:
+def paired_curves(runs: list[dict[str, Any]], smooth: int) -> dict[str, list[list[float]]]:
+    """Per arm, for each init seed that has a baseline, the moving mean's relative difference (%) to the baseline of
+    the same seed, step by step (over the steps both ran); under ``BASE`` the other seeds' baselines against the first
+    run's (the noise)."""
+    first = runs[0] if runs and run_arm(runs[0]) == BASE else None
+    bases = {r.get("seed"): _moving_average(r["losses"], smooth) for r in runs if run_arm(r) == BASE}
+    out: dict[str, list[list[float]]] = {}
+    for r in runs:
+        if r is first:
+            continue
+        base = (_moving_average(first["losses"], smooth) if first else None) if run_arm(r) == BASE \
+            else bases.get(r.get("seed"))
+        if base is None:
+            continue
+        ma = _moving_average(r["losses"], smooth)
+        out.setdefault(run_arm(r), []).append([100 * (a - b) / b for a, b in zip(ma, base)])
+    return out
+
+
+def tightest_target(summary: list[dict[str, Any]]) -> Optional[float]:
+    """The smallest target of a report's comparisons (the band the curves' plot draws), None when none has one."""
+    return min((s["target"] for s in summary if s.get("target") is not None), default=None)
+
+
+def _mean_curve(curves: list[list[float]]) -> list[float]:
+    n = min(len(c) for c in curves)
+    return [sum(c[i] for c in curves) / len(curves) for i in range(n)]
+
+
+def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str,
+                target: Optional[float] = None) -> Optional[Path]:
+    """Two panels: the loss (moving mean) of every run, one colour per recipe and a line per init seed; and each
+    recipe's paired difference to the baseline of the same seed, a thin line per seed and their mean thick, with the
+    +-``target`` band (a fraction). One legend entry per recipe, outside the axes, so that many runs stay readable."""
     runs = [r for r in runs if r.get("losses")]
     if not runs:
         return None
@@ -54,32 +87,41 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str) 
                               ((r["model"], i + 1, v) for r in runs for i, v in enumerate(r["losses"])))
     if plt is None:
         return path
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    # right: each recipe against the baseline of its own init seed, the other inits' baselines against the first
-    first = _moving_average(runs[0]["losses"], smooth) if run_arm(runs[0]) == BASE else None
-    bases = {r.get("seed"): _moving_average(r["losses"], smooth) for r in runs if run_arm(r) == BASE}
+    arms = list(dict.fromkeys(run_arm(r) for r in runs))
+    cmap = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
+    color = {a: ("k" if a == BASE else cmap(i % cmap.N)) for i, a in enumerate(arms)}
+    seeds = {a: sorted({r.get("seed", 0) for r in runs if run_arm(r) == a}) for a in arms}
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.8))
     for r in runs:
-        steps = range(1, len(r["losses"]) + 1)
-        ma = _moving_average(r["losses"], smooth)
-        line, = ax.plot(steps, ma, lw=1.4, label=f"{r['recipe']} (moving mean of {smooth})")
-        ax.plot(steps, r["losses"], lw=0.5, alpha=0.3, color=line.get_color())
-        base = first if run_arm(r) == BASE else bases.get(r.get("seed"), first)
-        if base is not None and r is not runs[0]:
-            n = min(len(ma), len(base))
-            ax2.plot(range(1, n + 1), [100 * (a - b) / b for a, b in zip(ma[:n], base[:n])], lw=1.2,
-                     color=line.get_color(), label=r["recipe"])
-    ax.set_title(f"train loss ({title})")
+        a = run_arm(r)
+        ax.plot(range(1, len(r["losses"]) + 1), _moving_average(r["losses"], smooth), lw=1.0, color=color[a],
+                alpha=0.8, label=None)
+    pairs = paired_curves(runs, smooth)
+    for a in arms:
+        for c in pairs.get(a, []):
+            ax2.plot(range(1, len(c) + 1), c, lw=0.6, alpha=0.35, color=color[a])
+        if pairs.get(a):
+            m = _mean_curve(pairs[a])
+            ax2.plot(range(1, len(m) + 1), m, lw=2.0, color=color[a])
+    if target is not None:
+        ax2.axhspan(-100 * target, 100 * target, color="0.85", zorder=0, label=f"target +-{100 * target:g}%")
+    ax2.axhline(0, color="k", lw=0.6)
+    ax.set_title(f"train loss ({title}), moving mean of {smooth}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.legend()
-    ax2.axhline(0, color="k", lw=0.6)
-    ax2.set_title(f"moving mean vs {BASE} (of the same init), %")
+    ax.set_yscale("log")
+    ax2.set_title(f"vs {BASE} of the same init (%): thin per seed, thick the mean")
     ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("relative difference (%)")
-    if ax2.lines[1:]:
-        ax2.legend()
+    ax2.set_ylabel("relative difference of the moving mean (%)")
+    def label(a: str) -> str:
+        s_ = f"seed{'s' if len(seeds[a]) > 1 else ''} {','.join(map(str, seeds[a]))}"
+        return f"{a}: other inits vs seed {runs[0].get('seed', 0)}" if a == BASE else f"{a} ({s_})"
+
+    handles = [plt.Line2D([], [], color=color[a], lw=2.0, label=label(a)) for a in arms]
+    handles += [h for h in ax2.get_legend_handles_labels()[0] if h.get_label().startswith("target")]
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.80, 0.5), fontsize=8, frameon=False)
     path = stem.with_suffix(".png")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.80, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     log(f"curves: {path}")
@@ -213,7 +255,8 @@ def convergence_table(report: dict[str, Any]) -> str:
                      f"{'' if s.get('same_data', True) else ' DIFFERENT DATA'}")
     if any(p["n"] > 1 for p in report.get("paired", [])):
         lines.append(f"over init seeds (each recipe vs the baseline of its seed; {BASE}: the other inits vs the "
-                     f"first): {'recipe':{w}s} {'n':>2s} {'mean':>8s} {'sd':>7s} {'min':>8s} {'max':>8s} "
+                     "first):")
+        lines.append(f"  {'recipe':{w}s} {'n':>2s} {'mean':>8s} {'sd':>7s} {'min':>8s} {'max':>8s} "
                      f"{'target':>7s} {'ok':>5s}")
         for p in report["paired"]:
             pct = [("-" if p[k] is None else format(100 * p[k], ".2f" if k == "sd" else "+.2f") + "%")
