@@ -113,8 +113,11 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             log(f"convergence {args.preset} {label}: stopped after {len(r['losses'])} of {steps} steps "
                 f"({'error' if 'error' in r else 'time limit'})")
         new.append(r)
-    order = {w: k for k, w in enumerate(wanted)}  # the first seed's runs first, its baseline first
-    report["runs"] = sorted([*refs, *new], key=lambda r: (order.get(run_key(r), len(order)),
+    # --seed's baseline first (what the table and the plot compare the other inits with), then the runs in the order
+    # asked, each seed's baseline before its recipes, then the references' other runs
+    order = {w: k for k, w in enumerate(wanted)}
+    report["runs"] = sorted([*refs, *new], key=lambda r: (run_key(r) != (BASE, args.seed),
+                                                           order.get(run_key(r), len(order)),
                                                            run_key(r)[1] != args.seed, run_arm(r) != BASE))
     for r in report["runs"]:
         r["recipe"] = run_label(*run_key(r), args.seed)

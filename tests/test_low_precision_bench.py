@@ -123,6 +123,14 @@ def test_conv_reference_runs_only_what_earlier_reports_lack(bench, tmp_path, cap
                      str(tmp_path / "c" / "lowp.json"))
     assert "=== tiny-" not in capsys.readouterr().out
     assert [r["recipe"] for r in merged["convergence"]["runs"]] == [r["recipe"] for r in conv_report["runs"]]
+    # a call for seed 1 only still puts --seed's baseline first: what the table and the plot compare other inits with
+    later, _ = _run(bench, tmp_path / "f", *conv, "--conv-seeds", "1", "--conv-reference",
+                    str(tmp_path / "c" / "lowp.json"))
+    assert "=== tiny-" not in capsys.readouterr().out
+    later_runs = later["convergence"]["runs"]
+    assert later_runs[0]["recipe"] == "baseline" and later_runs[1]["recipe"] == "baseline_seed1"
+    noise = next(s for s in later["convergence"]["summary"] if s["recipe"] == "baseline_seed1")
+    assert noise["baseline_final"] == pytest.approx(sum(later_runs[0]["losses"][-3:]) / 3)
     with pytest.raises(SystemExit, match="steps"):
         _run(bench, tmp_path / "e", *conv, "--conv-steps", "4", "--conv-reference", str(first_out))
 
