@@ -51,7 +51,10 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
 Recipes (``--layer-recipes``, ``--step-recipes``, ``--recipes``): any may carry ``:dense`` or ``:experts``, e.g.
 ``fp8_rowwise:experts``: FP8 on that kind of GEMM only (``LowPrecisionTraining(dense=False)`` / ``(experts=False)``),
 to find which GEMMs cost the speed or the loss; and ``:precise``: no FP8 GEMM uses Hopper's fast accumulation
-(``LowPrecisionTraining(fast_accum=False)``), e.g. ``fp8_rowwise:experts:precise``.
+(``LowPrecisionTraining(fast_accum=False)``), e.g. ``fp8_rowwise:experts:precise``; and ``:keep=PATTERN``
+(repeatable): those modules stay in bf16 (``LowPrecisionTraining(keep_bf16=[...])``, fnmatch on module names), e.g.
+``fp8_rowwise:dense:keep=*.wo`` for FP8 on the attention's q / k / v projections only (bench8's dense linears are
+the attention's four).
 
 Targets (issue 23, bf16 time / FP8 time of the default ``auto``): at least 0.98 everywhere (never slower), Mixtral
 layer 1.3, DeepSeek-V3 layer 1.1, DeepSeek-V3-shaped step 1.1 (``SPEED_TARGETS``); printed beside each ratio.
@@ -146,6 +149,11 @@ class Budget:
 # ``recipe:modifier[:modifier]``: the recipe on one kind of GEMM only (to find which GEMMs cost speed or loss), or
 # without Hopper's fast FP8 accumulation (``precise``: LowPrecisionTraining(fast_accum=False))
 SCOPES = {"dense": {"experts": False}, "experts": {"dense": False}, "precise": {"fast_accum": False}}
+KEEP = "keep="  # ``recipe:keep=PATTERN``: LowPrecisionTraining(keep_bf16=[PATTERN, ...]), e.g. ``fp8_rowwise:keep=*.wo``
+
+
+def _valid_modifier(m: str) -> bool:
+    return m in SCOPES or (m.startswith(KEEP) and len(m) > len(KEEP))
 
 
 def _modifiers(recipe: str) -> list[str]:
@@ -159,8 +167,11 @@ def _emulate(recipe: str, args: argparse.Namespace) -> bool:
 def _callback(recipe: str, args: argparse.Namespace, tokens: Optional[int] = None) -> LowPrecisionTraining:
     name = recipe.partition(":")[0]
     kw: dict[str, Any] = {"fused_dense": args.dense_impl == "fused"}
+    keep = [m[len(KEEP):] for m in _modifiers(recipe) if m.startswith(KEEP)]
     for modifier in _modifiers(recipe):
-        kw.update(SCOPES[modifier])
+        kw.update(SCOPES.get(modifier, {}))
+    if keep:
+        kw["keep_bf16"] = keep
     if name == AUTO:  # tokens: the layer's; a train step's come from its datamodule
         return LowPrecisionTraining(AUTO, emulate=_emulate(recipe, args), tokens_per_microbatch=tokens,
                                     table=args.table, **kw)
@@ -416,11 +427,11 @@ def step_table(runs: list[dict[str, Any]]) -> str:
 def _recipes(value: str, allowed: tuple[str, ...], what: str, scoped: bool = False) -> tuple[str, ...]:
     out = tuple(v.strip() for v in value.split(",") if v.strip())
     bad = [v for v in out if (v.partition(":")[0] if scoped else v) not in allowed
-           or (not scoped and ":" in v) or any(m not in SCOPES for m in _modifiers(v))
+           or (not scoped and ":" in v) or not all(_valid_modifier(m) for m in _modifiers(v))
            or (SCOPES.keys() - {"precise"}) <= set(_modifiers(v)) or (v.startswith(REPEAT) and ":" in v)]
     if bad:
-        extra = (", each optionally with :dense or :experts (not both) and/or :precise (no fast FP8 accumulation)"
-                 if scoped else "")
+        extra = (", each optionally with :dense or :experts (not both), :precise (no fast FP8 accumulation) "
+                 "and :keep=PATTERN (module names kept in bf16; repeatable)" if scoped else "")
         raise SystemExit(f"{what}: unknown {bad}; choose from {list(allowed)}{extra}")
     return out
 

@@ -203,6 +203,19 @@ def test_recipe_scope_puts_fp8_on_one_kind_of_gemm(bench):
     assert sorted(converted["fp8_rowwise:experts"] + converted["fp8_rowwise:dense"]) == sorted(converted["fp8_rowwise"])
     with pytest.raises(SystemExit, match=":dense or :experts"):
         bench.parse_args(["--device", "cpu", "--recipes", "fp8_rowwise:router"])
+    # :keep=PATTERN (repeatable) keeps those modules in bf16, with a scope or without
+    keep = bench.parse_args(["--device", "cpu", "--small", "--recipes",
+                             "fp8_rowwise:dense:keep=*.wo:keep=*.wq,fp8_rowwise:keep=*.experts"]).recipes
+    for recipe, gone in ((keep[0], ("wo", "wq")), (keep[1], ("experts",))):
+        cb = bench._callback(recipe, args)
+        cb.device = torch.device("cpu")
+        cb.transform_model(MoETransformer(ModelConfig.from_preset("tiny")))
+        assert cb.converted and not any(n.rsplit(".", 1)[-1] in gone for n in cb.converted), cb.converted
+        base = converted["fp8_rowwise:dense" if "dense" in recipe else "fp8_rowwise"]
+        assert sorted(cb.converted) == sorted(n for n in base if n.rsplit(".", 1)[-1] not in gone)
+    for bad in ("fp8_rowwise:keep=", "fp8_rowwise:dense:experts:keep=*.wo"):
+        with pytest.raises(SystemExit, match="keep=PATTERN"):
+            bench.parse_args(["--device", "cpu", "--recipes", bad])
 
 
 def test_repeat_arm_is_the_baseline_again_and_gw_hp_is_a_recipe(bench, tmp_path):
