@@ -240,8 +240,9 @@ def merged_entries(path: str, remeasure: list[str], recipes: list[str]) -> tuple
     source = {k: prior.get(k) for k in ("command", "date", "torch", "torchao", "gpu")}
     source["entries_kept"] = len(keep)
     # every sweep the kept entries came from, oldest first (the header's command, m_grid and presets are this sweep's)
-    older = prior.get("merged_from", {}).get("history") or (
-        [{k: v for k, v in prior["merged_from"].items() if k != "history"}] if prior.get("merged_from") else [])
+    prior_from = prior.get("merged_from") or {}
+    older = prior_from.get("history") or (
+        [{k: v for k, v in prior_from.items() if k != "history"}] if prior_from else [])
     source["history"] = [*older, {k: v for k, v in source.items() if k != "entries_kept"}]
     return keep, {(shape_key(e), e["recipe"]) for e in keep}, source, list(prior.get("not_run", []))
 

@@ -49,17 +49,14 @@ def paired_curves(runs: list[dict[str, Any]], smooth: int) -> dict[str, list[lis
     """Per arm, for each init seed that has a baseline, the moving mean's relative difference (%) to the baseline of
     the same seed, step by step (over the steps both ran); under ``BASE`` the other seeds' baselines against the first
     run's (the noise)."""
-    first = runs[0] if runs and run_arm(runs[0]) == BASE else None
-    bases = {r.get("seed"): _moving_average(r["losses"], smooth) for r in runs if run_arm(r) == BASE}
+    mas = [_moving_average(r["losses"], smooth) for r in runs]
+    first = mas[0] if runs and run_arm(runs[0]) == BASE else None
+    bases = {r.get("seed"): ma for r, ma in zip(runs, mas) if run_arm(r) == BASE}
     out: dict[str, list[list[float]]] = {}
-    for r in runs:
-        if r is first:
+    for i, (r, ma) in enumerate(zip(runs, mas)):
+        base = first if run_arm(r) == BASE else bases.get(r.get("seed"))
+        if base is None or (i == 0 and first is not None):
             continue
-        base = (_moving_average(first["losses"], smooth) if first else None) if run_arm(r) == BASE \
-            else bases.get(r.get("seed"))
-        if base is None:
-            continue
-        ma = _moving_average(r["losses"], smooth)
         out.setdefault(run_arm(r), []).append([100 * (a - b) / b for a, b in zip(ma, base)])
     return out
 

@@ -26,8 +26,8 @@ with, ``emulate=True`` on both sides):
   bytes of the input saved per linear.
 
 Products accumulate in fp32 (``torch._scaled_mm``; fast accumulation in the forward, as torchao configures it, unless
-``fast_accum=False``); the
-output is in x's dtype. ``emulate=True`` quantize-dequantizes with the same scales and runs fp32 matmuls (any device).
+``fast_accum=False``); the output is in x's dtype. ``emulate=True`` quantize-dequantizes with the same scales and
+runs fp32 matmuls (any device).
 
 Kernels (``emulate=False``, CUDA sm89+): ``torch._scaled_mm``, and every cast one of our Triton passes
 (:mod:`lightning_moe.lowp.fp8_casts`): rowwise rows in one kernel (``cast_rowwise``: x, w, dy), columns in two
