@@ -54,7 +54,8 @@ to find which GEMMs cost the speed or the loss; and ``:precise``: no FP8 GEMM us
 (``LowPrecisionTraining(fast_accum=False)``), e.g. ``fp8_rowwise:experts:precise``; and ``:keep=PATTERN``
 (repeatable): those modules stay in bf16 (``LowPrecisionTraining(keep_bf16=[...])``, fnmatch on module names), e.g.
 ``fp8_rowwise:dense:keep=*.wo`` for FP8 on the attention's q / k / v projections only (bench8's dense linears are
-the attention's four).
+the attention's four); and ``:emulate``: that arm emulated on CUDA too (``fp8_rowwise:emulate`` pairs the
+emulation, the reference numerics, with the same baselines as the kernels' ``fp8_rowwise``).
 
 Targets (issue 23, bf16 time / FP8 time of the default ``auto``): at least 0.98 everywhere (never slower), Mixtral
 layer 1.3, DeepSeek-V3 layer 1.1, DeepSeek-V3-shaped step 1.1 (``SPEED_TARGETS``); printed beside each ratio.
@@ -149,11 +150,14 @@ class Budget:
 # ``recipe:modifier[:modifier]``: the recipe on one kind of GEMM only (to find which GEMMs cost speed or loss), or
 # without Hopper's fast FP8 accumulation (``precise``: LowPrecisionTraining(fast_accum=False))
 SCOPES = {"dense": {"experts": False}, "experts": {"dense": False}, "precise": {"fast_accum": False}}
+# ``recipe:emulate``: that arm emulated on CUDA too (a distinct arm beside the kernels' run of the same recipe, so
+# that the emulation's convergence pairs with the same baselines: the reference numerics against the kernels')
+EMULATE = "emulate"
 KEEP = "keep="  # ``recipe:keep=PATTERN``: LowPrecisionTraining(keep_bf16=[PATTERN, ...]), e.g. ``fp8_rowwise:keep=*.wo``
 
 
 def _valid_modifier(m: str) -> bool:
-    return m in SCOPES or (m.startswith(KEEP) and len(m) > len(KEEP))
+    return m in SCOPES or m == EMULATE or (m.startswith(KEEP) and len(m) > len(KEEP))
 
 
 def _modifiers(recipe: str) -> list[str]:
@@ -161,7 +165,8 @@ def _modifiers(recipe: str) -> list[str]:
 
 
 def _emulate(recipe: str, args: argparse.Namespace) -> bool:
-    return args.device == "cpu" or args.emulate or recipe.partition(":")[0] in BLOCK_RECIPES
+    return (args.device == "cpu" or args.emulate or recipe.partition(":")[0] in BLOCK_RECIPES
+            or EMULATE in _modifiers(recipe))
 
 
 def _callback(recipe: str, args: argparse.Namespace, tokens: Optional[int] = None) -> LowPrecisionTraining:
@@ -430,8 +435,9 @@ def _recipes(value: str, allowed: tuple[str, ...], what: str, scoped: bool = Fal
            or (not scoped and ":" in v) or not all(_valid_modifier(m) for m in _modifiers(v))
            or (SCOPES.keys() - {"precise"}) <= set(_modifiers(v)) or (v.startswith(REPEAT) and ":" in v)]
     if bad:
-        extra = (", each optionally with :dense or :experts (not both), :precise (no fast FP8 accumulation) "
-                 "and :keep=PATTERN (module names kept in bf16; repeatable)" if scoped else "")
+        extra = (", each optionally with :dense or :experts (not both), :precise (no fast FP8 accumulation), "
+                 ":emulate (emulated on CUDA too) and :keep=PATTERN (module names kept in bf16; repeatable)"
+                 if scoped else "")
         raise SystemExit(f"{what}: unknown {bad}; choose from {list(allowed)}{extra}")
     return out
 

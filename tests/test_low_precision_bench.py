@@ -216,6 +216,12 @@ def test_recipe_scope_puts_fp8_on_one_kind_of_gemm(bench):
     for bad in ("fp8_rowwise:keep=", "fp8_rowwise:dense:experts:keep=*.wo"):
         with pytest.raises(SystemExit, match="keep=PATTERN"):
             bench.parse_args(["--device", "cpu", "--recipes", bad])
+    # :emulate: that arm emulated on CUDA too, the others on the kernels (a distinct arm: it pairs with the same
+    # baselines as the kernels' run of its recipe)
+    cuda = bench.parse_args(["--recipes", "fp8_rowwise:emulate,fp8_rowwise,fp8_rowwise:experts:emulate"])
+    assert [bench._emulate(r, cuda) for r in cuda.recipes] == [True, False, True]
+    assert bench._callback("fp8_rowwise:experts:emulate", cuda).emulate
+    assert not bench._callback("fp8_rowwise", cuda).emulate
 
 
 def test_repeat_arm_is_the_baseline_again_and_gw_hp_is_a_recipe(bench, tmp_path):
