@@ -95,13 +95,44 @@ def test_dims_not_multiples_of_128_are_a_clear_error():
                                           torch.tensor([4], dtype=torch.int32))
 
 
+
+@pytest.mark.parametrize("deep_gemm, experts, emulate, warns", [
+    (False, True, False, True), (True, True, False, False), (False, False, False, False), (False, True, True, False)])
+def test_forced_blockwise_experts_without_deep_gemm_warn_that_they_are_slow(monkeypatch, deep_gemm, experts, emulate,
+                                                                               warns):
+    """torchao's blockwise grouped fallback ran the bench8 step 6.7x slower than bf16 on an H200: a user forcing it
+    hears so (once, at the hardware check), with what to do instead; nothing warns where the fast path exists."""
+    import importlib.util
+    import warnings
+
+    from lightning_moe.lowp import recipes
+
+    # imported before CUDA is faked (their import probes the real device)
+    pytest.importorskip("torchao.prototype.blockwise_fp8_training.linear")
+    pytest.importorskip("torchao.prototype.moe_training")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if deep_gemm else None) if name == "deep_gemm" else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        recipes.check_hardware("fp8_blockwise", emulate, "cuda", experts=experts)
+        recipes.check_hardware("fp8_rowwise", emulate, "cuda", experts=experts)  # rowwise has its fast grouped GEMM
+    slow = [w for w in got if "deep_gemm" in str(w.message)]
+    assert len(slow) == int(warns), [str(w.message) for w in got]
+    if warns:
+        assert "experts=False" in str(slow[0].message) and "recipe='auto'" in str(slow[0].message)
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
 @pytest.mark.skipif(not _sm90(), reason="torchao's blockwise FP8 kernels need an sm90 GPU (emulation: tests above)")
 def test_torchao_kernels_match_the_emulation_on_gpu():
+    # imported before CUDA is faked (their import probes the real device)
     pytest.importorskip("torchao.prototype.blockwise_fp8_training.linear")
+    pytest.importorskip("torchao.prototype.moe_training")
     from lightning_moe.lowp.fp8_blockwise import fp8_blockwise_grouped_mm, fp8_blockwise_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -48,6 +48,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_moe.lowp.fp8_casts import (E4M3, E5M2, _tensor_scale, cast_colwise, cast_rowwise, cast_tensorwise,
                                           transpose_fp8)
@@ -402,6 +403,10 @@ class Fp8QuantRMSNorm(nn.Module):
     lowp_input_cache: Optional[Fp8InputCache] = None
 
     def _forward(self, x: Tensor) -> Tensor:
+        if isinstance(x, DTensor) or isinstance(self.weight, DTensor):
+            # tensor / sequence parallel: the projections are torchao's Float8Linear on DTensors and read an input
+            # redistributed from y, never y's FP8 form; and flattening a sequence-sharded x is refused by torch 2.11
+            return super()._forward(x)
         return fp8_rms_norm(x, self.weight, self.eps, emulate=self.lowp_emulate, input_cache=self.lowp_input_cache)
 
 

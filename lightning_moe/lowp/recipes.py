@@ -7,6 +7,8 @@ the kernel modules of this package."""
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -15,7 +17,7 @@ from torch import Tensor, nn
 from lightning_moe.moe.grouped_mm import GroupedMM, TorchGroupedMM
 
 __all__ = ["AUTO", "AUTO_RECIPES", "BLOCK_RECIPES", "GW_HP", "RECIPES", "BlockScaledLinear", "LowPrecisionGroupedMM",
-           "PerShapeGroupedMM", "block_class", "check_hardware"]
+           "PerShapeGroupedMM", "BLOCKWISE_EXPERTS_SLOW", "block_class", "check_hardware"]
 
 # recipe -> (what it does, the block size / alignment dense dims and expert group sizes need)
 RECIPES = {
@@ -41,6 +43,15 @@ TORCHAO_GROUPED_NUMERICS = {"wgrad_hp": False, "bwd_fast_accum": True, "fwd_fast
 SWAPPED_RECIPES = BLOCK_RECIPES + ("fp8_blockwise",)  # dense linears get their class swapped (not torchao's convert)
 # modules that stay in the run's precision whatever the options (suffixes of module names)
 ALWAYS_KEPT = ("output", "gate")  # the LM head; the shared experts' sigmoid gate (out dim 1)
+
+
+# measured on one H200, 2026-12-04 (bench/RESULTS.md): the forced fp8_blockwise bench8 step, experts included
+BLOCKWISE_EXPERTS_SLOW = (
+    "LowPrecisionTraining(recipe='fp8_blockwise'): the routed experts' blockwise grouped GEMM runs torchao's fallback "
+    "(the optional deep_gemm package is not installed), which is several times slower than bf16: on one H200 the "
+    "8-layer Qwen3-shaped bench step took 1.33 s against bf16's 0.20 s, and its first steps autotune for minutes. "
+    "Install DeepGEMM, or keep the experts off blockwise (experts=False, or recipe='auto' to let the crossover table "
+    "choose per GEMM)")
 
 
 def check_hardware(recipe: str, emulate: bool, device: Union[str, torch.device], *, dense: bool = True,
@@ -70,6 +81,8 @@ def check_hardware(recipe: str, emulate: bool, device: Union[str, torch.device],
     except ImportError as e:
         raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}) needs torchao>=0.18 (pip install "
                          f"'lightning_moe[ao]'): {e}") from e
+    if recipe == "fp8_blockwise" and experts and importlib.util.find_spec("deep_gemm") is None:
+        warnings.warn(BLOCKWISE_EXPERTS_SLOW, stacklevel=3)
 
 
 def load_block_formats():
