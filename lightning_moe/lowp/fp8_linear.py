@@ -404,8 +404,8 @@ class Fp8QuantRMSNorm(nn.Module):
 
     def _forward(self, x: Tensor) -> Tensor:
         if isinstance(x, DTensor) or isinstance(self.weight, DTensor):
-            # tensor / sequence parallel: the projections are torchao's Float8Linear on DTensors and read an input
-            # redistributed from y, never y's FP8 form; and flattening a sequence-sharded x is refused by torch 2.11
+            # tensor / sequence parallel: the projections read an input redistributed from y (another tensor), so
+            # y's FP8 form would never be read; and torch 2.11 refuses to flatten a sequence-sharded x
             return super()._forward(x)
         return fp8_rms_norm(x, self.weight, self.eps, emulate=self.lowp_emulate, input_cache=self.lowp_input_cache)
 

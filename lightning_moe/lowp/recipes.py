@@ -56,7 +56,8 @@ BLOCKWISE_EXPERTS_SLOW = (
 
 def check_hardware(recipe: str, emulate: bool, device: Union[str, torch.device], *, dense: bool = True,
                    experts: bool = True) -> None:
-    """Raise a ValueError when ``recipe`` has no kernels on ``device`` and ``emulate`` is False."""
+    """Raise a ValueError when ``recipe`` has no kernels on ``device`` and ``emulate`` is False; warn when its
+    kernels exist but are known to be slow (blockwise experts without DeepGEMM)."""
     if emulate:
         return
     device = torch.device(device)
