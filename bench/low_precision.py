@@ -46,7 +46,11 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  settings are kept and only the missing (recipe, seed) runs run (seeds spread over calls; nothing
                  missing: a merge, on any machine). ``repeat`` in ``--recipes``: the baseline's program again from
                  the same init, compared with that init's baseline and given no target: the spread that kernel
-                 nondeterminism alone makes (on bench8 it is as large as the target).
+                 nondeterminism alone makes (on bench8 it is as large as the target). ``--conv-hp-loss``: each
+                 quantized run also records, before every step, the same batch's loss at the same weights with
+                 every low-precision module in high precision (``lightning_moe.lowp.high_precision``): the
+                 quantized forward's own cost (its loss over that one) apart from what the low-precision training
+                 did to the weights (that loss over the baseline's); dashed in the curves.
 
 Recipes (``--layer-recipes``, ``--step-recipes``, ``--recipes``): any may carry ``:dense`` or ``:experts``, e.g.
 ``fp8_rowwise:experts``: FP8 on that kind of GEMM only (``LowPrecisionTraining(dense=False)`` / ``(experts=False)``),
@@ -318,13 +322,13 @@ def _init_checksum_callback() -> Any:
 
 def _run(label: str, cfg: Any, recipe: str, args: argparse.Namespace, device: torch.device, peak: Optional[dict],
          timed: bool, steps: int, seq_len: int, batch_size: int, lr: float, seed: Optional[int] = None,
-         profile: bool = False, **run_kwargs: Any) -> dict[str, Any]:
+         profile: bool = False, more_callbacks: tuple = (), **run_kwargs: Any) -> dict[str, Any]:
     # profile: 3 steps from the warmup's end, kernels by category (no trace file: a step's trace is ~100 MB)
     ts_args = argparse.Namespace(steps=steps, warmup=args.warmup, precision=args.precision, loss_impl="auto",
                                  profile=profile, profile_trace=False, out=args.out)
     chk = _init_checksum_callback()
     plain = recipe in (BASE, REPEAT)  # REPEAT: the baseline's program again (convergence)
-    extra = (chk,) if plain else (chk, _callback(recipe, args))
+    extra = ((chk,) if plain else (chk, _callback(recipe, args))) + tuple(more_callbacks)
     seed = args.seed if seed is None else seed
     r = train_step.run_ours(f"{label}-{recipe}", cfg, seq_len, batch_size, ts_args, lr, device, peak, timed,
                             extra_callbacks=extra, seed=seed, **run_kwargs)
@@ -502,6 +506,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "steps, tiny min(20, steps / 10))")
     g.add_argument("--conv-master", choices=["auto", "fp32", "none"], default="auto", help="fp32 master weights and "
                    "AdamW moments in every run (MoELanguageModel(master_dtype='fp32')); auto: on for bench8 at bf16")
+    g.add_argument("--conv-hp-loss", action="store_true", help="every quantized run also records, before each step, "
+                   "the loss of the same batch at the same weights in high precision (lightning_moe.lowp."
+                   "high_precision): the quantized forward's own cost apart from what training did to the weights")
     g = p.add_argument_group("profile")
     g.add_argument("--profile", action="store_true", help="layer mode: profile one fwd+bwd of the baseline and of "
                    "--profile-recipes at each shape; step mode: 3 steps of every first run (device time by kernel "

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import lightning as L
 import torch
 
 from bench import train_step
@@ -16,6 +18,7 @@ from bench.core.curves import (BASE, REPEAT, compare, convergence_table, paired_
                                run_key, run_label, save_curves, tightest_target)
 from bench.core.text import log
 from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES
+from lightning_moe.lowp.high_precision import high_precision
 
 TARGETS = {"fp8": 0.01, "block": 0.03}  # |relative difference| of the smoothed final loss
 # bench8: at 3e-4 (and bf16 AdamW state) two runs of the same bf16 program ended 5.6% apart (RESULTS.md)
@@ -23,6 +26,25 @@ BENCH8_LR = 1e-4
 TINY_YAML = Path(__file__).resolve().parent.parent / "examples" / "configs" / "tiny.yaml"
 QUANTIZED_RUN_COST = 2.5  # a forced or emulated recipe's run relative to the baseline's, for the time shares
 MARGIN_S = {"cuda": 15.0, "cpu": 3.0}  # per run: model build, data setup and teardown, outside Lightning's max_time
+
+
+class HighPrecisionLoss(L.Callback):
+    """``--conv-hp-loss``: before every training step, the loss of the same batch at the same weights with every
+    low-precision module in its high-precision path (:func:`lightning_moe.lowp.high_precision.high_precision`), no
+    gradient. Against the step's own loss it is what the quantized forward costs at fixed weights; against the bf16
+    run's loss, what the low-precision training did to the weights. ``seconds``: the time these forwards took (inside
+    the step times the report prints)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.seconds = 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        t0 = time.perf_counter()
+        with torch.no_grad(), high_precision(pl_module), trainer.precision_plugin.forward_context():
+            out = pl_module._step_output(batch)  # the training step's own loss computation, nothing recorded
+            self.losses.append(float(out.loss_sum / out.num_tokens))
+        self.seconds += time.perf_counter() - t0
 
 
 def bench8_config(args: argparse.Namespace) -> Any:
@@ -104,9 +126,12 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             train_s = max(1.0, share - MARGIN_S[device.type])
             trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
             log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
+        hp = HighPrecisionLoss() if args.conv_hp_loss and arm not in (BASE, REPEAT) else None
         r = run(args.preset, s["cfg"], arm, args, device, None, False, steps, s["seq_len"], s["batch_size"],
                  s["lr"], seed=seed, module_kwargs={"warmup_steps": warmup, **s["module"]}, variant=variant,
-                 trainer_kwargs=trainer_kwargs, data_kwargs=s["data"])
+                 trainer_kwargs=trainer_kwargs, data_kwargs=s["data"], more_callbacks=(hp,) if hp else ())
+        if hp is not None:
+            r["hp_losses"], r["hp_seconds"] = hp.losses[:len(r["losses"])], hp.seconds
         r["recipe"], r["arm"] = label, arm
         r["truncated"] = len(r["losses"]) < steps
         if r["truncated"]:

@@ -239,3 +239,27 @@ def test_repeat_arm_is_the_baseline_again_and_gw_hp_is_a_recipe(bench, tmp_path)
     assert rep["rel_diff"] == 0.0 and rep["same_init"] and rep["target"] is None and rep["ok"] is None
     assert "nondeterminism" in rep["note"]
     assert summary["fp8_rowwise_gw_hp"]["target"] == 0.01 and summary["fp8_rowwise_gw_hp"]["same_init"]
+
+
+def test_conv_hp_loss_records_the_same_weights_in_high_precision(bench, tmp_path, capsys):
+    """``--conv-hp-loss``: each quantized run also records, before every step, its batch's loss at its weights in
+    high precision: at step 1 (the same init, the same batch) the baseline's loss, later the quantized run's weights
+    in bf16; the extra forwards change nothing in the run (CPU is deterministic: the same losses bit for bit), and
+    the report splits the difference into the forward's own cost and the weights'."""
+    conv = ["--mode", "convergence", "--recipes", "fp8_rowwise"]
+    with_hp, _ = _run(bench, tmp_path / "a", *conv, "--conv-hp-loss")
+    without, _ = _run(bench, tmp_path / "b", *conv)
+    runs = {r["recipe"]: r for r in with_hp["convergence"]["runs"]}
+    fp8, base = runs["fp8_rowwise"], runs["baseline"]
+    assert "hp_losses" not in base and "hp_losses" not in runs["baseline_seed1"]
+    assert len(fp8["hp_losses"]) == len(fp8["losses"]) == 3 and fp8["hp_seconds"] > 0
+    assert fp8["hp_losses"][0] == pytest.approx(base["losses"][0], rel=1e-6)
+    assert fp8["hp_losses"][0] != fp8["losses"][0]  # the quantized forward differs from the high-precision one
+    assert fp8["losses"] == next(r for r in without["convergence"]["runs"] if r["recipe"] == "fp8_rowwise")["losses"]
+    s = next(s for s in with_hp["convergence"]["summary"] if s["recipe"] == "fp8_rowwise")
+    assert s["forward_cost"] == pytest.approx((s["final"] - s["final_hp"]) / s["final_hp"])
+    assert s["rel_diff_hp"] == pytest.approx((s["final_hp"] - s["baseline_final"]) / s["baseline_final"])
+    paired = next(p for p in with_hp["convergence"]["paired"] if p["arm"] == "fp8_rowwise")
+    assert paired["forward_cost_mean"] == pytest.approx(s["forward_cost"])
+    assert "quantized forward's own cost" in capsys.readouterr().out
+    assert "final_hp" not in next(s for s in without["convergence"]["summary"] if s["recipe"] == "fp8_rowwise")

@@ -45,10 +45,11 @@ def pyplot_or_csv(stem: Path, header: list[str], rows: Iterable[Sequence[Any]]) 
     return plt, None
 
 
-def paired_curves(runs: list[dict[str, Any]], smooth: int) -> dict[str, list[list[float]]]:
+def paired_curves(runs: list[dict[str, Any]], smooth: int, key: str = "losses") -> dict[str, list[list[float]]]:
     """Per arm, for each init seed that has a baseline, the moving mean's relative difference (%) to the baseline of
     the same seed, step by step (over the steps both ran); under ``BASE`` the other seeds' baselines against the first
-    run's (the noise)."""
+    run's (the noise). ``key="hp_losses"``: the runs' high-precision losses (``--conv-hp-loss``) against the
+    baselines' losses, for the runs that have them."""
     mas = [_moving_average(r["losses"], smooth) for r in runs]
     first = mas[0] if runs and run_arm(runs[0]) == BASE else None
     bases = {r.get("seed"): ma for r, ma in zip(runs, mas) if run_arm(r) == BASE}
@@ -57,6 +58,10 @@ def paired_curves(runs: list[dict[str, Any]], smooth: int) -> dict[str, list[lis
         base = first if run_arm(r) == BASE else bases.get(r.get("seed"))
         if base is None or (i == 0 and first is not None):
             continue
+        if key != "losses":
+            if run_arm(r) == BASE or not r.get(key):
+                continue
+            ma = _moving_average(r[key], smooth)
         out.setdefault(run_arm(r), []).append([100 * (a - b) / b for a, b in zip(ma, base)])
     return out
 
@@ -93,7 +98,13 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str,
         a = run_arm(r)
         ax.plot(range(1, len(r["losses"]) + 1), _moving_average(r["losses"], smooth), lw=1.0, color=color[a],
                 alpha=0.8, label=None)
+        if r.get("hp_losses"):  # --conv-hp-loss: the same weights in high precision, dashed
+            ax.plot(range(1, len(r["hp_losses"]) + 1), _moving_average(r["hp_losses"], smooth), lw=1.0, ls="--",
+                    color=color[a], alpha=0.8)
     pairs = paired_curves(runs, smooth)
+    for a, curves in paired_curves(runs, smooth, "hp_losses").items():
+        for c in curves:
+            ax2.plot(range(1, len(c) + 1), c, lw=1.0, ls="--", alpha=0.6, color=color[a])
     for a in arms:
         for c in pairs.get(a, []):
             ax2.plot(range(1, len(c) + 1), c, lw=0.6, alpha=0.35, color=color[a])
@@ -115,6 +126,9 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str,
         return f"{a}: other inits vs seed {runs[0].get('seed', 0)}" if a == BASE else f"{a} ({s_})"
 
     handles = [plt.Line2D([], [], color=color[a], lw=2.0, label=label(a)) for a in arms]
+    if any(r.get("hp_losses") for r in runs):
+        handles.append(plt.Line2D([], [], color="0.4", lw=1.0, ls="--",
+                                  label="dashed: the same weights' high-precision forward"))
     handles += [h for h in ax2.get_legend_handles_labels()[0] if h.get_label().startswith("target")]
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.80, 0.5), fontsize=8, frameon=False)
     path = stem.with_suffix(".png")
@@ -191,6 +205,10 @@ def compare(base: dict[str, Any], r: dict[str, Any], steps: int, smooth: int, ta
               "same_init": r.get("init_checksum") == base.get("init_checksum"),
               "same_data": r.get("first_batch_checksum") == base.get("first_batch_checksum"),
               "seconds": r.get("wall_s"), "mean_step_s": r.get("mean_step_s")})
+    hp = r.get("hp_losses") or []
+    if len(hp) >= n:  # --conv-hp-loss: the same weights' high-precision loss, step by step
+        h = smoothed(hp[:n], smooth)
+        s.update({"final_hp": h, "rel_diff_hp": (h - b) / b, "forward_cost": (q - h) / h})
     if noise:
         s["note"] = "the baseline from another init: the noise"
         s["ok"] = None
@@ -219,11 +237,23 @@ def paired_stats(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
         complete = all(s.get("compared_steps") == s["steps"] and (arm == BASE or (s.get("same_init") and
                                                                                s.get("same_data")))
                        for s in pairs)
-        out.append({"arm": arm, "n": len(v), "rel_diff_by_seed": d, "mean": mean,
+        extra = {}
+        for key in ("rel_diff_hp", "forward_cost"):  # --conv-hp-loss runs
+            hv = [s[key] for s in pairs if s.get(key) is not None]
+            if hv:
+                extra[f"{key}_mean"] = sum(hv) / len(hv)
+        out.append({**extra, "arm": arm, "n": len(v), "rel_diff_by_seed": d, "mean": mean,
                     "sd": statistics.stdev(v) if len(v) > 1 else None, "min": min(v) if v else None,
                     "max": max(v) if v else None, "target": target,
                     "ok": None if target is None or mean is None else (abs(mean) <= target and complete)})
     return out
+
+
+def _hp_note(s: dict[str, Any]) -> str:
+    if s.get("rel_diff_hp") is None:
+        return ""
+    return (f"high-precision forward of its weights {100 * s['rel_diff_hp']:+.2f}% vs {BASE}, the quantized "
+            f"forward's own cost {100 * s['forward_cost']:+.2f}%")
 
 
 def convergence_table(report: dict[str, Any]) -> str:
@@ -248,6 +278,7 @@ def convergence_table(report: dict[str, Any]) -> str:
                      f"{'' if s['target'] is None else format(100 * s['target'], '6.0f') + '%':>7s} "
                      f"{str(s.get('ok', '-')):>5s} {fmt_cell(s.get('mean_step_s'), '7.3f')} "
                      f"{fmt_cell(s.get('seconds'), '7.0f')}  {s.get('note', '')} {s.get('error', '')}"
+                     f"{_hp_note(s)}"
                      f"{'' if s.get('same_init', True) or s['target'] is None else ' DIFFERENT INIT'}"
                      f"{'' if s.get('same_data', True) else ' DIFFERENT DATA'}")
     if any(p["n"] > 1 for p in report.get("paired", [])):
@@ -258,7 +289,9 @@ def convergence_table(report: dict[str, Any]) -> str:
         for p in report["paired"]:
             pct = [("-" if p[k] is None else format(100 * p[k], ".2f" if k == "sd" else "+.2f") + "%")
                    for k in ("mean", "sd", "min", "max")]
+            hp = (f"  high-precision forward {100 * p['rel_diff_hp_mean']:+.2f}%, quantized forward's cost "
+                  f"{100 * p['forward_cost_mean']:+.2f}%" if p.get("rel_diff_hp_mean") is not None else "")
             lines.append(f"  {p['arm']:{w}s} {p['n']:2d} {pct[0]:>8s} {pct[1]:>7s} {pct[2]:>8s} {pct[3]:>8s} "
                          f"{'' if p['target'] is None else format(100 * p['target'], '6.0f') + '%':>7s} "
-                         f"{str(p['ok']):>5s}")
+                         f"{str(p['ok']):>5s}{hp}")
     return "\n".join(lines)

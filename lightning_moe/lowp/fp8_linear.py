@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 from lightning_moe.lowp.fp8_casts import (E4M3, E5M2, _tensor_scale, cast_colwise, cast_rowwise, cast_tensorwise,
                                           transpose_fp8)
 from lightning_moe.lowp.fp8_grouped import fp8_scale, qdq_fp8, quantize_rowwise
+from lightning_moe.lowp.high_precision import high_precision_active
 from lightning_moe.moe import kernels
 
 __all__ = ["Fp8InputCache", "Fp8Linear", "Fp8QuantRMSNorm", "fp8_linear", "fp8_rms_norm", "fp8_class",
@@ -385,6 +386,8 @@ class Fp8Linear(nn.Linear):
     lowp_input_cache: Optional[Fp8InputCache] = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if high_precision_active():  # the class this one was swapped over: its own high-precision forward
+            return super().forward(x)
         y = fp8_linear(x, self.weight, recipe=self.lowp_recipe, emulate=self.lowp_emulate,
                        weight_cache=self.lowp_weight_cache, input_cache=self.lowp_input_cache,
                        wgrad_hp=self.lowp_wgrad_hp, fast_accum=self.lowp_fast_accum)
@@ -403,6 +406,8 @@ class Fp8QuantRMSNorm(nn.Module):
     lowp_input_cache: Optional[Fp8InputCache] = None
 
     def _forward(self, x: Tensor) -> Tensor:
+        if high_precision_active():  # no linear reads an FP8 form then
+            return super()._forward(x)
         if isinstance(x, DTensor) or isinstance(self.weight, DTensor):
             # tensor / sequence parallel: the projections read an input redistributed from y (another tensor), so
             # y's FP8 form would never be read; and torch 2.11 refuses to flatten a sequence-sharded x

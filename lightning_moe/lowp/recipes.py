@@ -14,7 +14,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_moe.lowp.high_precision import high_precision_active
 from lightning_moe.moe.grouped_mm import GroupedMM, TorchGroupedMM
+from lightning_moe.moe.kernels import swiglu
 
 __all__ = ["AUTO", "AUTO_RECIPES", "BLOCK_RECIPES", "GW_HP", "RECIPES", "BlockScaledLinear", "LowPrecisionGroupedMM",
            "PerShapeGroupedMM", "BLOCKWISE_EXPERTS_SLOW", "block_class", "check_hardware"]
@@ -104,6 +106,8 @@ class BlockScaledLinear(nn.Linear):
     lowp_emulate: bool = True
 
     def forward(self, x: Tensor) -> Tensor:
+        if high_precision_active():
+            return super().forward(x)
         w = self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight
         if self.lowp_recipe == "fp8_blockwise":
             from lightning_moe.lowp import fp8_blockwise as fb
@@ -158,6 +162,8 @@ class LowPrecisionGroupedMM(GroupedMM):
 
     def swiglu_down(self, g_RF: Tensor, u_RF: Tensor, probs_R: Optional[Tensor], w_EKN: Tensor,
                     offs_E: Tensor) -> Tensor:
+        if high_precision_active():
+            return self._plain(swiglu(g_RF, u_RF, probs_R), w_EKN, offs_E)
         from lightning_moe.lowp.fp8_fused import fp8_swiglu_down
 
         self._check_dims(*w_EKN.shape[-2:])
@@ -166,6 +172,11 @@ class LowPrecisionGroupedMM(GroupedMM):
 
     def gather_gate_up(self, x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EKN: Tensor, w3_EKN: Tensor,
                        offs_E: Tensor) -> tuple[Tensor, Tensor]:
+        if high_precision_active():  # the rows gathered by indexing (differentiable), then the plain GEMMs
+            k = pos_TK.shape[1]
+            rows_RD = x_TD.index_select(0, asg_R.clamp(min=0) // k)
+            rows_RD = torch.where((asg_R >= 0)[:, None], rows_RD, rows_RD.new_zeros(()))
+            return self._plain(rows_RD, w1_EKN, offs_E), self._plain(rows_RD, w3_EKN, offs_E)
         from lightning_moe.lowp.fp8_fused import fp8_gather_gate_up
 
         self._check_dims(*w1_EKN.shape[-2:])
@@ -189,7 +200,14 @@ class LowPrecisionGroupedMM(GroupedMM):
 
         return fp8_grouped.emulated_fp8_rowwise_grouped_mm if self.emulate else fp8_grouped.fp8_rowwise_grouped_mm
 
+    @staticmethod
+    def _plain(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+        """The high-precision grouped GEMM (:func:`~lightning_moe.lowp.high_precision.high_precision`)."""
+        return torch._grouped_mm(x_MK, w_EKN.to(x_MK.dtype), offs=offs_E)
+
     def __call__(self, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+        if high_precision_active():
+            return self._plain(x_MK, w_EKN, offs_E)
         from lightning_moe.lowp.fp8_grouped import grouped_mm_padded
 
         self._check_dims(*w_EKN.shape[-2:])
