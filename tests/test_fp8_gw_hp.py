@@ -157,3 +157,61 @@ def test_callback_wires_gw_hp_with_the_forward_of_fp8_rowwise():
     wq = torchao_model.layers["0"].attention.wq
     assert type(wq).__name__ == "Float8Linear"
     assert wq.config.cast_config_grad_output_for_grad_weight.scaling_type.name == "DISABLED"
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_dense_dgrad_hp_keeps_forward_and_wgrad_and_makes_dx_exact(recipe):
+    """``dgrad_hp``: the input gradient is the high-precision ``dy @ w``; the forward and the weight gradient are
+    the plain recipe's bit for bit; with ``wgrad_hp`` too (rowwise) the whole backward is exact."""
+    torch.manual_seed(1)
+    M, K, N = 40, 64, 48
+    x, w, dy = torch.randn(M, K), torch.randn(N, K) * 0.1, torch.randn(M, N) * torch.logspace(-3, 0, M)[:, None]
+    plain = _grads(lambda x, w: fl.fp8_linear(x, w, recipe=recipe, emulate=True), x, w, dy=dy)
+    hp = _grads(lambda x, w: fl.fp8_linear(x, w, recipe=recipe, emulate=True, dgrad_hp=True), x, w, dy=dy)
+    assert torch.equal(hp[0], plain[0]) and torch.equal(hp[2], plain[2])
+    exact = dy @ w
+    assert _rel(hp[1], exact) <= 1e-6 < 1e-3 < _rel(plain[1], exact)
+    if recipe == "rowwise":
+        both = _grads(lambda x, w: fl.fp8_linear(x, w, recipe=recipe, emulate=True, dgrad_hp=True, wgrad_hp=True),
+                      x, w, dy=dy)
+        assert _rel(both[1], exact) <= 1e-6 and _rel(both[2], dy.t() @ x) <= 1e-6
+        assert torch.equal(both[0], plain[0])  # FP8 in the forward only
+    # the kernel path: a plain GEMM for dx, equal to the emulation to bf16 rounding
+    bf = [t.bfloat16() for t in (x, w, dy)]
+    real = _grads(lambda x, w: fl.fp8_linear(x, w, recipe=recipe, emulate=False, dgrad_hp=True), *bf[:2], dy=bf[2])
+    emu = _grads(lambda x, w: fl.fp8_linear(x, w, recipe=recipe, emulate=True, dgrad_hp=True), *bf[:2], dy=bf[2])
+    assert real[1].dtype == torch.bfloat16 and _rel(real[1], emu[1]) <= 1e-2
+
+
+def test_callback_wires_dgrad_hp_into_both_dense_implementations():
+    from lightning_moe.lowp.fp8_linear import Fp8Linear
+
+    model = _tiny()
+    cb = LowPrecisionTraining(GW_HP, emulate=True, dgrad_hp=True)
+    cb.device = torch.device("cpu")
+    cb.transform_model(model)
+    wq = model.layers["0"].attention.wq
+    assert isinstance(wq, Fp8Linear) and wq.lowp_dgrad_hp and wq.lowp_wgrad_hp and "dgrad_hp" in repr(wq)
+    assert "dgrad_hp=True" in repr(cb)
+    with pytest.raises(ValueError, match="dgrad_hp"):
+        LowPrecisionTraining("fp8_blockwise", emulate=True, dgrad_hp=True)
+    with pytest.raises(ValueError, match="dgrad_hp"):
+        LowPrecisionTraining("fp8_rowwise", emulate=True, dense=False, dgrad_hp=True)
+    pytest.importorskip("torchao.float8", reason="torchao's linear is the fused_dense=False path (ao extra)")
+    torchao_model = _tiny()
+    cb = LowPrecisionTraining("fp8_rowwise", emulate=True, fused_dense=False, experts=False, dgrad_hp=True)
+    cb.device = torch.device("cpu")
+    cb.transform_model(torchao_model)
+    c = torchao_model.layers["0"].attention.wq.config
+    assert c.cast_config_grad_output.scaling_type.name == "DISABLED"
+    assert c.cast_config_weight_for_grad_input.scaling_type.name == "DISABLED"
+    assert c.cast_config_grad_output_for_grad_weight.scaling_type.name == "DYNAMIC"  # the wgrad stays FP8
+    # torchao's backward then runs: its dx is the exact dy @ w, its dw still quantized
+    x = torch.randn(2, 32, torchao_model.config.hidden_size)
+    lin = torchao_model.layers["0"].attention.wq
+    xl = x.clone().requires_grad_()
+    y = lin(xl)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    exact = (dy.flatten(0, 1) @ lin.weight).reshape(x.shape)
+    assert _rel(xl.grad, exact) <= 1e-5

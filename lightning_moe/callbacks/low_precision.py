@@ -149,6 +149,10 @@ class LowPrecisionTraining(L.Callback):
             backward never does; ``fp8_rowwise_gw_hp``'s experts' backward does not). False: no FP8 GEMM does, every
             partial sum is promoted to fp32 (DeepSeek-V3's practice; slower GEMMs, and ``auto``'s table was measured
             with the default). The block-scaled recipes and emulation accumulate in fp32 either way.
+        dgrad_hp: (dense linears in ``fp8_tensorwise`` / ``fp8_rowwise`` / ``fp8_rowwise_gw_hp``) their input
+            gradient ``dx = dy @ w`` as a high-precision GEMM (the experts' stays FP8). With ``fp8_rowwise_gw_hp``
+            the dense backward has no FP8 GEMM: FP8 in the forward only, a diagnostic of where a loss difference
+            comes from (it saves the forward GEMM's time only).
 
     ``recipe="auto"``: when the model is built, every dense linear (M = tokens per micro-batch) and every MoE layer's
     gate / up and down grouped GEMM (M = tokens * top_k / local experts) is looked up in the table by its local
@@ -162,7 +166,8 @@ class LowPrecisionTraining(L.Callback):
                  keep_bf16: Union[str, Sequence[str], None] = (), force: Union[str, Sequence[str], None] = (),
                  tokens_per_microbatch: Optional[int] = None, table: Union[str, Path, dict, None] = None,
                  min_speedup: float = 1.0, fsdp_float8_all_gather: bool = False, fuse_quant: bool = True,
-                 cache_fp8_weights: bool = True, fused_dense: bool = True, fast_accum: bool = True) -> None:
+                 cache_fp8_weights: bool = True, fused_dense: bool = True, fast_accum: bool = True,
+                 dgrad_hp: bool = False) -> None:
         if recipe != AUTO and recipe not in RECIPES:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: "
                              f"{[AUTO, *RECIPES]}")
@@ -176,6 +181,9 @@ class LowPrecisionTraining(L.Callback):
         if recipe != AUTO and given:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): {given} only apply to recipe='auto' (a "
                              "named recipe converts every GEMM it can take; use keep_bf16 to exclude some)")
+        if dgrad_hp and (recipe not in LINEAR_OF or not dense):
+            raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}, dense={dense}, dgrad_hp=True): the high-"
+                             f"precision input gradient is an option of the FP8 dense linears of {list(LINEAR_OF)}")
         if tokens_per_microbatch is not None and tokens_per_microbatch <= 0:
             raise ValueError(f"LowPrecisionTraining(tokens_per_microbatch={tokens_per_microbatch}) must be positive")
         self.recipe, self.emulate = recipe, bool(emulate)
@@ -188,6 +196,7 @@ class LowPrecisionTraining(L.Callback):
         self.fuse_quant, self.cache_fp8_weights = bool(fuse_quant), bool(cache_fp8_weights)
         self.fused_dense = bool(fused_dense)
         self.fast_accum = bool(fast_accum)
+        self.dgrad_hp = bool(dgrad_hp)
         self._edp_shard = 1
         # data ranks FSDP2 spans for the dense weights; None until setup knows the layout. The dense FP8 weight cache
         # needs 1 (FSDP2 refills its unsharded weights without a version bump, so a cached copy could go stale)
@@ -204,7 +213,8 @@ class LowPrecisionTraining(L.Callback):
         return (f"LowPrecisionTraining(recipe={self.recipe!r}, emulate={self.emulate}, experts={self.experts}, "
                 f"dense={self.dense}, keep_bf16={list(self.keep_bf16)}"
                 + (f", force={list(self.force)}" if self.recipe == AUTO else "")
-                + ("" if self.fast_accum else ", fast_accum=False") + ")")
+                + ("" if self.fast_accum else ", fast_accum=False") + (", dgrad_hp=True" if self.dgrad_hp else "")
+                + ")")
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
@@ -437,6 +447,13 @@ class LowPrecisionTraining(L.Callback):
         if not self.fast_accum:  # torchao uses it in the forward only
             config = dataclasses.replace(config, gemm_config_output=dataclasses.replace(config.gemm_config_output,
                                                                                         use_fast_accum=False))
+        if self.dgrad_hp:  # torchao: no cast of dy and w for the input gradient (the weight gradient's dy as before)
+            from torchao.float8.config import CastConfig, ScalingType
+
+            off = CastConfig(scaling_type=ScalingType.DISABLED)
+            config = dataclasses.replace(config, cast_config_grad_output_for_grad_weight=(
+                config.cast_config_grad_output_for_grad_weight or config.cast_config_grad_output),
+                cast_config_grad_output=off, cast_config_weight_for_grad_input=off)
         config = dataclasses.replace(config, emulate=self.emulate,
                                      enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in names)
@@ -464,7 +481,7 @@ class LowPrecisionTraining(L.Callback):
             m = model.get_submodule(name)
             m.__class__ = fp8_class(Fp8Linear, type(m))
             m.lowp_recipe, m.lowp_emulate, m.lowp_wgrad_hp = recipe, self.emulate, wgrad_hp
-            m.lowp_fast_accum = self.fast_accum
+            m.lowp_fast_accum, m.lowp_dgrad_hp = self.fast_accum, self.dgrad_hp
             m.lowp_weight_cache = Fp8WeightCache() if self._dense_data_ranks == 1 and self.cache_fp8_weights else None
             m.lowp_input_cache = None
             parent, _, leaf = name.rpartition(".")

@@ -134,9 +134,11 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype
 class _Ops:
     """One implementation of the linear's quantized operands and GEMMs; operands are :data:`Operand` pairs."""
 
-    def __init__(self, recipe: str, emulate: bool, wgrad_hp: bool = False, fast_accum: bool = True) -> None:
+    def __init__(self, recipe: str, emulate: bool, wgrad_hp: bool = False, fast_accum: bool = True,
+                 dgrad_hp: bool = False) -> None:
         assert recipe in LINEAR_RECIPES and not (wgrad_hp and recipe != "rowwise")
         self.recipe, self.emulate, self.wgrad_hp, self.fast_accum = recipe, emulate, wgrad_hp, fast_accum
+        self.dgrad_hp = dgrad_hp
 
     # -- rowwise ---------------------------------------------------------------------------------------------------
     def _rows(self, x_MC: Tensor) -> Operand:
@@ -263,9 +265,12 @@ class _Fp8Linear(torch.autograd.Function):
         ops = ctx.ops
         dy = dy_MN.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = dw = None
+        if need_dx and ops.dgrad_hp:  # the high-precision dy and w (fp32 products under emulation)
+            dx = ((dy.float() @ w_NK.float()) if ops.emulate else dy @ w_NK.to(dy.dtype)).to(ctx.x_dtype)
+            need_dx = False
         if ops.recipe == "tensorwise":  # one cast of dy (one scale) for both GEMMs, in the layout each wants
             dy = ops.dy_tensorwise(dy, rows=need_dx, cols=need_dw)
-        dx = dw = None
         if need_dx:
             dx = ops.dgrad(dy, _weight(ctx.cache, "dgrad", w_NK, ops.w_dgrad), ctx.x_dtype)
         if need_dw:
@@ -290,13 +295,16 @@ def _fp8_linear_2d(x_MK: Tensor, w_NK: Tensor, x_op: Operand, ops: _Ops, cache: 
 
 @torch.compiler.disable  # eager kernels and Python caches: the callback uses this module outside compiled regions
 def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_cache: Any = None,
-               input_cache: Optional[Fp8InputCache] = None, wgrad_hp: bool = False, fast_accum: bool = True) -> Tensor:
+               input_cache: Optional[Fp8InputCache] = None, wgrad_hp: bool = False, fast_accum: bool = True,
+               dgrad_hp: bool = False) -> Tensor:
     """``x @ w.T`` ([..., K] -> [..., N], x's dtype) in the FP8 ``recipe`` (``rowwise`` / ``tensorwise``; the module
     docstring), gradients for x and w. ``weight_cache``: an :class:`~lightning_moe.lowp.fp8_fused.Fp8WeightCache`
     (the weight's FP8 copies made once per optimizer step). ``input_cache``: an :class:`Fp8InputCache` shared with
     the other linears (and the norm) reading the same x, so x is quantized once. ``wgrad_hp`` (``rowwise`` only):
     the weight gradient as a high-precision GEMM. ``fast_accum``: the forward GEMM accumulates with Hopper's fast FP8
-    accumulation (torchao's default); False promotes its partial sums to fp32, as the backward GEMMs always do."""
+    accumulation (torchao's default); False promotes its partial sums to fp32, as the backward GEMMs always do.
+    ``dgrad_hp``: the input gradient ``dx = dy @ w`` as a high-precision GEMM of the bf16 dy and w (with ``wgrad_hp``
+    the backward has no FP8 GEMM: FP8 in the forward only)."""
     if recipe not in LINEAR_RECIPES:
         raise ValueError(f"fp8_linear(recipe={recipe!r}): one of {LINEAR_RECIPES}")
     if wgrad_hp and recipe != "rowwise":
@@ -307,7 +315,7 @@ def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_ca
         raise ValueError(f"fp8_linear: in / out features {K} / {N} must be multiples of {ALIGN} (FP8 GEMM alignment); "
                          "keep this linear in high precision (keep_bf16)")
     w = w_NK.to(x.dtype) if w_NK.dtype != x.dtype else w_NK
-    ops = _Ops(recipe, emulate, wgrad_hp, fast_accum)
+    ops = _Ops(recipe, emulate, wgrad_hp, fast_accum, dgrad_hp)
     x_MK = x.reshape(-1, K)
     x_op = input_cache.read(x, recipe) if input_cache is not None else None
     if x_op is None:
@@ -376,12 +384,14 @@ def fp8_rms_norm(x: Tensor, weight: Tensor, eps: float, *, emulate: bool, input_
 
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` whose GEMMs run :func:`fp8_linear` (set by ``LowPrecisionTraining``: ``lowp_recipe``,
-    ``lowp_emulate``, ``lowp_weight_cache``, ``lowp_input_cache``, ``lowp_wgrad_hp``, ``lowp_fast_accum``)."""
+    ``lowp_emulate``, ``lowp_weight_cache``, ``lowp_input_cache``, ``lowp_wgrad_hp``, ``lowp_fast_accum``,
+    ``lowp_dgrad_hp``)."""
 
     lowp_recipe: str = "rowwise"
     lowp_emulate: bool = False
     lowp_wgrad_hp: bool = False
     lowp_fast_accum: bool = True
+    lowp_dgrad_hp: bool = False
     lowp_weight_cache: Any = None
     lowp_input_cache: Optional[Fp8InputCache] = None
 
@@ -390,11 +400,12 @@ class Fp8Linear(nn.Linear):
             return super().forward(x)
         y = fp8_linear(x, self.weight, recipe=self.lowp_recipe, emulate=self.lowp_emulate,
                        weight_cache=self.lowp_weight_cache, input_cache=self.lowp_input_cache,
-                       wgrad_hp=self.lowp_wgrad_hp, fast_accum=self.lowp_fast_accum)
+                       wgrad_hp=self.lowp_wgrad_hp, fast_accum=self.lowp_fast_accum, dgrad_hp=self.lowp_dgrad_hp)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        flags = (", wgrad_hp" if self.lowp_wgrad_hp else "") + ("" if self.lowp_fast_accum else ", fast_accum=False")
+        flags = (", wgrad_hp" if self.lowp_wgrad_hp else "") + (", dgrad_hp" if self.lowp_dgrad_hp else "") + (
+            "" if self.lowp_fast_accum else ", fast_accum=False")
         return f"{super().extra_repr()}, fp8={self.lowp_recipe}{flags}"
 
 
