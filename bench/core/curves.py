@@ -93,7 +93,11 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str,
     cmap = plt.get_cmap("tab10" if len(arms) <= 10 else "tab20")
     color = {a: ("k" if a == BASE else cmap(i % cmap.N)) for i, a in enumerate(arms)}
     seeds = {a: sorted({r.get("seed", 0) for r in runs if run_arm(r) == a}) for a in arms}
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.8))
+    # the legend's column grows with the longest entry (recipe:modifier names), so no label is cut at the edge
+    longest = max([len(f"{a} (seeds {','.join(map(str, seeds[a]))})") for a in arms] + [48])
+    legend_in, plots_in = 0.075 * longest, 11.2
+    right = plots_in / (plots_in + legend_in)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(plots_in + legend_in, 4.8))
     for r in runs:
         a = run_arm(r)
         ax.plot(range(1, len(r["losses"]) + 1), _moving_average(r["losses"], smooth), lw=1.0, color=color[a],
@@ -130,9 +134,9 @@ def save_curves(runs: list[dict[str, Any]], out: Path, smooth: int, title: str,
         handles.append(plt.Line2D([], [], color="0.4", lw=1.0, ls="--",
                                   label="dashed: the same weights' high-precision forward"))
     handles += [h for h in ax2.get_legend_handles_labels()[0] if h.get_label().startswith("target")]
-    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.80, 0.5), fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(right, 0.5), fontsize=8, frameon=False)
     path = stem.with_suffix(".png")
-    fig.tight_layout(rect=(0, 0, 0.80, 1))
+    fig.tight_layout(rect=(0, 0, right, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     log(f"curves: {path}")
