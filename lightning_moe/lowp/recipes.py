@@ -172,11 +172,11 @@ class LowPrecisionGroupedMM(GroupedMM):
 
     def gather_gate_up(self, x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EKN: Tensor, w3_EKN: Tensor,
                        offs_E: Tensor) -> tuple[Tensor, Tensor]:
-        if high_precision_active():  # the rows gathered by indexing (differentiable), then the plain GEMMs
-            k = pos_TK.shape[1]
-            rows_RD = x_TD.index_select(0, asg_R.clamp(min=0) // k)
-            rows_RD = torch.where((asg_R >= 0)[:, None], rows_RD, rows_RD.new_zeros(()))
-            return self._plain(rows_RD, w1_EKN, offs_E), self._plain(rows_RD, w3_EKN, offs_E)
+        if high_precision_active():  # the unconverted experts' own gather and plain GEMMs (the same program)
+            from lightning_moe.moe.experts import _GatherGateUp
+
+            return _GatherGateUp.apply(x_TD, asg_R, pos_TK, w1_EKN.transpose(-2, -1).to(x_TD.dtype),
+                                       w3_EKN.transpose(-2, -1).to(x_TD.dtype), offs_E)
         from lightning_moe.lowp.fp8_fused import fp8_gather_gate_up
 
         self._check_dims(*w1_EKN.shape[-2:])
