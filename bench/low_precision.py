@@ -513,6 +513,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--conv-hp-loss", action="store_true", help="every quantized run also records, before each step, "
                    "the loss of the same batch at the same weights in high precision (lightning_moe.lowp."
                    "high_precision): the quantized forward's own cost apart from what training did to the weights")
+    g.add_argument("--conv-grad-check", type=lambda v: [int(x) for x in v.split(",") if x], default=None,
+                   metavar="STEP[,STEP]", help="every run but the baselines also compares, in windows of "
+                   "--conv-grad-window steps starting at these, its gradient with the high-precision gradient of the "
+                   "same batch at the same weights, per parameter group (error, cosine, projection, and whether the "
+                   "error persists from step to step: a bias)")
+    g.add_argument("--conv-grad-window", type=int, default=8, help="steps per --conv-grad-check window")
     g = p.add_argument_group("profile")
     g.add_argument("--profile", action="store_true", help="layer mode: profile one fwd+bwd of the baseline and of "
                    "--profile-recipes at each shape; step mode: 3 steps of every first run (device time by kernel "

@@ -47,6 +47,173 @@ class HighPrecisionLoss(L.Callback):
         self.seconds += time.perf_counter() - t0
 
 
+def _plain_name(name: str) -> str:
+    """A parameter's name in the model (no LightningModule prefix ``model.``, no checkpoint-wrapper part)."""
+    name = name.replace("_checkpoint_wrapped_module.", "")
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def grad_group(name: str) -> str:
+    """A parameter's group in the gradient check: its role, over all layers (``attention.wq``, ``experts.w2``,
+    ``router``, ``norms``, ``embedding``, ``head``)."""
+    name = _plain_name(name)
+    parts = name.split(".")
+    if parts[0] == "tok_embeddings":
+        return "embedding"
+    if parts[0] == "output":
+        return "head"
+    if "norm" in name:
+        return "norms"
+    if "router" in parts:
+        return "router"
+    for role in ("experts", "shared_experts", "attention", "feed_forward"):
+        if role in parts:
+            leaf = parts[parts.index(role) + 1]
+            return f"{role}.{leaf}"
+    return parts[-2] if len(parts) > 1 else name
+
+
+class GradientCheck(L.Callback):
+    """``--conv-grad-check``: at the given steps, the step's own (low-precision) gradient against the high-precision
+    gradient of the same batch at the same weights (:func:`~lightning_moe.lowp.high_precision.high_precision`), per
+    parameter group (:func:`grad_group`), before clipping: ``rel_err`` = |q - h| / |h|, ``cos``, ``proj`` = <q, h> /
+    |h|^2 (1: no shrinking or growth along the true gradient). Over each window of ``window`` consecutive steps,
+    for the groups in ``persist`` (accumulators the size of those parameters) the persistence of the error,
+    ``err_persist`` = |sum of e| / sqrt(sum of |e|^2): about 1 when the errors of successive steps are independent,
+    up to sqrt(window) when each step makes the same error (a bias, which the optimizer's averaging cannot remove);
+    ``grad_persist`` the same ratio of the high-precision gradients (how much of the signal itself persists); and
+    ``mean_rel_err`` = |mean e| / |mean h|, the error of the window's mean gradient. The extra forward and backward
+    change nothing in the run (the step's gradients are read, not written)."""
+
+    def __init__(self, starts: list[int], window: int = 8,
+                 persist: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "router",
+                                             "norms", "experts.w1", "experts.w2", "experts.w3")) -> None:
+        if window < 1 or any(s < 1 for s in starts):
+            raise ValueError(f"--conv-grad-check: steps start at 1 and windows hold >= 1 step, got {starts}, {window}")
+        self.window, self.persist = window, persist
+        self.checked = sorted({s + i for s in starts for i in range(window)})
+        self.windows = sorted(set(starts))
+        self.steps: list[dict[str, Any]] = []  # one per checked step: {"step", "groups": {group: stats}}
+        self.window_stats: list[dict[str, Any]] = []
+        self.seconds = 0.0
+        self._batch: Any = None
+        self._acc: dict[str, list[Any]] = {}  # name -> [sum e, sum h, sum |e|^2, sum |h|^2]
+        self._window: Any = None
+        self._layers: set[int] = set()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step + 1
+        self._batch = batch if step in self.checked else None
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._batch is None:
+            return
+        t0 = time.perf_counter()
+        step, batch, self._batch = trainer.global_step + 1, self._batch, None
+        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad and p.grad is not None]
+        self._layers = {int(parts[1]) for parts in (_plain_name(n).split(".") for n, _ in named)
+                        if parts[0] == "layers" and parts[1].isdigit()}
+        with torch.enable_grad(), high_precision(pl_module), trainer.precision_plugin.forward_context():
+            out = pl_module._step_output(batch)  # the training step's objective, in high precision
+            n = out.num_tokens.to(out.loss_sum.dtype).clamp(min=1)
+            objective = (out.loss_sum + n * (out.aux_loss + out.z_loss)) / n
+        hp = torch.autograd.grad(objective, [p for _, p in named], allow_unused=True)
+        start = max((s for s in self.windows if s <= step < s + self.window), default=None)
+        if start != self._window:
+            self._close_window()
+            self._window = start
+        groups: dict[str, torch.Tensor] = {}
+        for (name, p), h in zip(named, hp):
+            if h is None:
+                continue
+            q, h = p.grad.detach().float(), h.detach().float()
+            e = q - h
+            g = grad_group(name)
+            stats = torch.stack([(q * q).sum(), (h * h).sum(), (q * h).sum(), (e * e).sum()])
+            groups[g] = groups[g] + stats if g in groups else stats
+            if g in self.persist and self._persists(name, p):
+                acc = self._acc.get(name)
+                if acc is None:  # large tensors (the experts) accumulate in bf16: a norm ratio needs no more
+                    dtype = torch.bfloat16 if e.numel() > 2**25 else torch.float32
+                    self._acc[name] = [e.to(dtype), h.to(dtype), float(stats[3]), float(stats[1])]
+                else:
+                    acc[0] += e
+                    acc[1] += h
+                    acc[2] += float(stats[3])
+                    acc[3] += float(stats[1])
+        rows = {}
+        for g, (qq, hh, qh, ee) in ((g, v.tolist()) for g, v in sorted(groups.items())):
+            rows[g] = {"rel_err": math.sqrt(ee / hh) if hh > 0 else None,
+                       "cos": qh / math.sqrt(qq * hh) if qq > 0 and hh > 0 else None,
+                       "proj": qh / hh if hh > 0 else None}
+        self.steps.append({"step": step, "groups": rows})
+        if step == max(self.checked):
+            self._close_window()
+        self.seconds += time.perf_counter() - t0
+
+    def _persists(self, name: str, p: torch.Tensor) -> bool:
+        """Whether ``name`` gets window accumulators: every parameter of under 2^25 elements, the larger ones (the
+        experts) in the first and the last layer only (the memory: 2 x 4 bytes per element per tensor)."""
+        if p.numel() <= 2**25:
+            return True
+        parts = _plain_name(name).split(".")
+        if parts[0] != "layers" or not parts[1].isdigit():
+            return False
+        return int(parts[1]) in (min(self._layers), max(self._layers))
+
+    def _close_window(self) -> None:
+        if not self._acc:
+            return
+        by_group: dict[str, list[float]] = {}
+        for name, (se, sh, ee, hh) in self._acc.items():
+            v = by_group.setdefault(grad_group(name), [0.0, 0.0, 0.0, 0.0])
+            v[0] += float((se * se).sum())
+            v[1] += float((sh * sh).sum())
+            v[2] += ee
+            v[3] += hh
+        steps = [s["step"] for s in self.steps if self._window is not None
+                 and self._window <= s["step"] < self._window + self.window]
+        self.window_stats.append({"start": self._window, "steps": len(steps), "groups": {
+            g: {"err_persist": math.sqrt(se / ee) if ee > 0 else None,
+                "grad_persist": math.sqrt(sh / hh) if hh > 0 else None,
+                "mean_rel_err": math.sqrt(se / sh) if sh > 0 else None}
+            for g, (se, sh, ee, hh) in sorted(by_group.items())}})
+        self._acc = {}
+
+    def summary(self) -> dict[str, Any]:
+        """Per group: the mean over the checked steps of each step statistic; the windows as they are (one the run
+        ended in, before its last step, closed with the steps it has)."""
+        self._close_window()
+        groups: dict[str, dict[str, list[float]]] = {}
+        for s in self.steps:
+            for g, row in s["groups"].items():
+                for k, v in row.items():
+                    if v is not None:
+                        groups.setdefault(g, {}).setdefault(k, []).append(v)
+        return {"checked_steps": len(self.steps), "seconds": self.seconds, "steps": self.steps,
+                "windows": self.window_stats,
+                "mean": {g: {k: sum(v) / len(v) for k, v in row.items()} for g, row in sorted(groups.items())}}
+
+
+def grad_check_table(label: str, check: dict[str, Any]) -> str:
+    """The gradient check of one run as text: per group the mean step statistics, then each window's."""
+    lines = [f"gradient check, {label}: {check['checked_steps']} steps ({check['seconds']:.1f} s); "
+             "step means of rel_err |q-h|/|h|, cos, proj <q,h>/|h|^2; per window err_persist (1: independent "
+             "errors, sqrt(n): the same error every step), grad_persist (the same of h), mean_rel_err"]
+    lines.append(f"  {'group':<22} {'rel_err':>8} {'cos':>7} {'proj':>7}")
+    for g, row in check["mean"].items():
+        lines.append(f"  {g:<22} {row.get('rel_err', float('nan')):8.4f} {row.get('cos', float('nan')):7.4f} "
+                     f"{row.get('proj', float('nan')):7.4f}")
+    for w in check["windows"]:
+        lines.append(f"  window from step {w['start']} ({w['steps']} steps, sqrt = {math.sqrt(max(w['steps'], 1)):.2f})"
+                     f": {'group':<16} {'err_persist':>11} {'grad_persist':>12} {'mean_rel_err':>12}")
+        for g, row in w["groups"].items():
+            fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+            lines.append(f"    {g:<22} {fmt(row['err_persist']):>11} {fmt(row['grad_persist']):>12} "
+                         f"{fmt(row['mean_rel_err']):>12}")
+    return "\n".join(lines)
+
+
 def bench8_config(args: argparse.Namespace) -> Any:
     """The 8-layer Qwen3-30B-A3B-shaped bench model of ``bench/train_step.py`` (2 small layers with ``--small``)."""
     return train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
@@ -127,11 +294,17 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
             log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
         hp = HighPrecisionLoss() if args.conv_hp_loss and arm not in (BASE, REPEAT) else None
+        checker = GradientCheck(args.conv_grad_check, args.conv_grad_window) \
+            if args.conv_grad_check and arm != BASE else None
+        more = tuple(c for c in (hp, checker) if c is not None)
         r = run(args.preset, s["cfg"], arm, args, device, None, False, steps, s["seq_len"], s["batch_size"],
                  s["lr"], seed=seed, module_kwargs={"warmup_steps": warmup, **s["module"]}, variant=variant,
-                 trainer_kwargs=trainer_kwargs, data_kwargs=s["data"], more_callbacks=(hp,) if hp else ())
+                 trainer_kwargs=trainer_kwargs, data_kwargs=s["data"], more_callbacks=more)
         if hp is not None:
             r["hp_losses"], r["hp_seconds"] = hp.losses[:len(r["losses"])], hp.seconds
+        if checker is not None:
+            r["grad_check"] = checker.summary()
+            log(grad_check_table(label, r["grad_check"]))
         r["recipe"], r["arm"] = label, arm
         r["truncated"] = len(r["losses"]) < steps
         if r["truncated"]:

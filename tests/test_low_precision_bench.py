@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,89 @@ def test_conv_hp_loss_records_the_same_weights_in_high_precision(bench, tmp_path
     assert paired["forward_cost_mean"] == pytest.approx(s["forward_cost"])
     assert "quantized forward's own cost" in capsys.readouterr().out
     assert "final_hp" not in next(s for s in without["convergence"]["summary"] if s["recipe"] == "fp8_rowwise")
+
+
+def test_grad_group_names_a_parameter_by_its_role():
+    """A parameter's group in the gradient check: its role over all layers, without the LightningModule's ``model.``
+    prefix and the activation checkpointing wrapper's part."""
+    from bench.lowp_convergence import grad_group
+
+    assert grad_group("model.layers.3.attention.wq.weight") == "attention.wq"
+    assert grad_group("model.layers.0.moe.experts.w2") == "experts.w2"
+    assert grad_group("model.layers.2.moe.shared_experts.w1.weight") == "shared_experts.w1"
+    assert grad_group("model.layers.0.feed_forward.w3.weight") == "feed_forward.w3"
+    assert grad_group("model.layers.1.moe.router.weight") == "router"
+    assert grad_group("model.layers.0.attention.q_norm.weight") == "norms"
+    assert grad_group("model.layers.0.ffn_norm.weight") == "norms"
+    assert grad_group("model.norm.weight") == "norms"
+    assert grad_group("model.tok_embeddings.weight") == "embedding"
+    assert grad_group("model.output.weight") == "head"
+    assert grad_group("model.layers.3._checkpoint_wrapped_module.attention.wq.weight") == "attention.wq"
+    assert grad_group("model.layers.1._checkpoint_wrapped_module.moe.experts.w1") == "experts.w1"
+    assert grad_group("layers.1.moe.experts.w3") == "experts.w3"  # no prefix: the same group
+
+
+def test_conv_grad_check_compares_each_step_gradient_with_high_precision(bench, tmp_path, capsys):
+    """``--conv-grad-check 1,3 --conv-grad-window 1``: every run but the baselines compares its gradient at steps 1
+    and 3 with the high-precision gradient of the same batch at the same weights. The repeat arm's program is the
+    high-precision one (no error at all); fp8_rowwise's quantized groups have an error; the extra forward and
+    backward change nothing in the run (CPU is deterministic: the same losses bit for bit). Over a window of 2
+    steps the persistence of the error lies in [0, sqrt(2)] (Cauchy-Schwarz); a window the run ends in is kept."""
+    checked, _ = _run(bench, tmp_path / "a", "--mode", "convergence", "--recipes", "fp8_rowwise,repeat",
+                      "--conv-grad-check", "1,3", "--conv-grad-window", "1")
+    printed = capsys.readouterr().out
+    without, _ = _run(bench, tmp_path / "b", "--mode", "convergence", "--recipes", "fp8_rowwise")
+    runs = {r["recipe"]: r for r in checked["convergence"]["runs"]}
+    assert list(runs) == ["baseline", "fp8_rowwise", "repeat", "baseline_seed1"]
+    assert "grad_check" not in runs["baseline"] and "grad_check" not in runs["baseline_seed1"]
+    for name in ("fp8_rowwise", "repeat"):
+        check = runs[name]["grad_check"]
+        assert check["checked_steps"] == 2 and [s["step"] for s in check["steps"]] == [1, 3]
+        assert [(w["start"], w["steps"]) for w in check["windows"]] == [(1, 1), (3, 1)]
+        assert check["seconds"] > 0
+    # repeat: the high-precision program is its program, the same gradient exactly
+    rep = runs["repeat"]["grad_check"]
+    for s in rep["steps"]:
+        assert {"attention.wq", "experts.w1", "router", "norms", "embedding", "head"} <= set(s["groups"])
+        for g, row in s["groups"].items():
+            assert row["rel_err"] == 0.0 and row["proj"] == pytest.approx(1.0, abs=1e-12), (s["step"], g, row)
+            assert row["cos"] == pytest.approx(1.0, abs=1e-9), (s["step"], g, row)
+    for w in rep["windows"]:
+        assert w["groups"] and all(row["err_persist"] is None and row["mean_rel_err"] == 0.0
+                                   for row in w["groups"].values()), w
+    # fp8_rowwise: the quantized GEMMs' gradients differ from the high-precision ones, yet point the same way
+    fp8 = runs["fp8_rowwise"]["grad_check"]
+    for s in fp8["steps"]:
+        groups = s["groups"]
+        assert {"head", "embedding"} <= set(groups)
+        for g in ("attention.wq", "attention.wo", "experts.w1", "experts.w2"):
+            assert groups[g]["rel_err"] > 0 and 0 < groups[g]["cos"] <= 1 + 1e-9, (s["step"], g, groups[g])
+        assert all(row["cos"] is None or -1 - 1e-9 <= row["cos"] <= 1 + 1e-9 for row in groups.values())
+    for w in fp8["windows"]:  # one step: |e| / sqrt(|e|^2), 1
+        assert w["groups"]["experts.w1"]["err_persist"] == pytest.approx(1.0, rel=1e-5)
+        assert w["groups"]["experts.w1"]["grad_persist"] == pytest.approx(1.0, rel=1e-5)
+    assert set(fp8["mean"]) == set(fp8["steps"][0]["groups"])
+    assert fp8["mean"]["experts.w1"]["rel_err"] == pytest.approx(
+        sum(s["groups"]["experts.w1"]["rel_err"] for s in fp8["steps"]) / 2)
+    # the check changes nothing in the run
+    plain = {r["recipe"]: r for r in without["convergence"]["runs"]}
+    assert runs["fp8_rowwise"]["losses"] == plain["fp8_rowwise"]["losses"]
+    assert runs["baseline"]["losses"] == plain["baseline"]["losses"] == runs["repeat"]["losses"]
+    assert "grad_check" not in plain["fp8_rowwise"]
+    assert "gradient check, fp8_rowwise" in printed and "gradient check, repeat" in printed
+    assert "gradient check, baseline" not in printed
+    # a window from step 2 of 3 steps, of which the 3-step run has 2 (the window it ends in is still reported):
+    # the error's persistence between 0 and sqrt(2)
+    window, _ = _run(bench, tmp_path / "c", "--mode", "convergence", "--recipes", "fp8_rowwise", "--noise-seed",
+                     "0", "--conv-grad-check", "2", "--conv-grad-window", "3")
+    runs2 = {r["recipe"]: r for r in window["convergence"]["runs"]}
+    check2 = runs2["fp8_rowwise"]["grad_check"]
+    assert check2["checked_steps"] == 2 and [s["step"] for s in check2["steps"]] == [2, 3]
+    (w,) = check2["windows"]
+    assert (w["start"], w["steps"]) == (2, 2)
+    for g in ("attention.wq", "experts.w1", "experts.w2", "router"):
+        row = w["groups"][g]
+        assert 0 < row["err_persist"] <= math.sqrt(2) + 1e-6, (g, row)
+        assert 0 < row["grad_persist"] <= math.sqrt(2) + 1e-6, (g, row)
+        assert row["mean_rel_err"] > 0
+    assert runs2["fp8_rowwise"]["losses"] == plain["fp8_rowwise"]["losses"]
