@@ -101,6 +101,11 @@ class GradientCheck(L.Callback):
         self._window: Any = None
         self._layers: set[int] = set()
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.accumulate_grad_batches != 1:  # a step's gradient would be several batches', the check one's
+            raise ValueError("--conv-grad-check compares one batch's gradients: it needs accumulate_grad_batches=1, "
+                             f"got {trainer.accumulate_grad_batches}")
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step + 1
         self._batch = batch if step in self.checked else None

@@ -350,3 +350,16 @@ def test_conv_grad_check_compares_each_step_gradient_with_high_precision(bench, 
         assert 0 < row["grad_persist"] <= math.sqrt(2) + 1e-6, (g, row)
         assert row["mean_rel_err"] > 0
     assert runs2["fp8_rowwise"]["losses"] == plain["fp8_rowwise"]["losses"]
+
+
+def test_grad_check_refuses_gradient_accumulation():
+    """A step of several micro-batches has one gradient; the check's high-precision pass sees one batch."""
+    from types import SimpleNamespace
+
+    from bench.lowp_convergence import GradientCheck
+
+    with pytest.raises(ValueError, match="accumulate_grad_batches=1, got 2"):
+        GradientCheck([1]).setup(SimpleNamespace(accumulate_grad_batches=2), None, "fit")
+    GradientCheck([1]).setup(SimpleNamespace(accumulate_grad_batches=1), None, "fit")
+    with pytest.raises(ValueError, match="steps start at 1"):
+        GradientCheck([0])
