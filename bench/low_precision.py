@@ -50,7 +50,13 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  quantized run also records, before every step, the same batch's loss at the same weights with
                  every low-precision module in high precision (``lightning_moe.lowp.high_precision``): the
                  quantized forward's own cost (its loss over that one) apart from what the low-precision training
-                 did to the weights (that loss over the baseline's); dashed in the curves.
+                 did to the weights (that loss over the baseline's); dashed in the curves. ``noise`` in
+                 ``--recipes``: the bf16 program with zero-mean Gaussian noise of FP8's size (``--noise-sigma``,
+                 default a rowwise e4m3 GEMM's relative error) on the outputs and gradients of the GEMMs a forced
+                 recipe converts (``bench/lowp_noise.py``), no target: what perturbations of FP8's size cost
+                 without FP8's rounding. ``--conv-grad-check STEPS``: each non-baseline run compares, in windows
+                 of ``--conv-grad-window`` steps, its gradient with the high-precision gradient of the same batch
+                 at the same weights, per parameter group (error, cosine, projection, persistence over steps).
 
 Recipes (``--layer-recipes``, ``--step-recipes``, ``--recipes``): any may carry ``:dense`` or ``:experts``, e.g.
 ``fp8_rowwise:experts``: FP8 on that kind of GEMM only (``LowPrecisionTraining(dense=False)`` / ``(experts=False)``),
@@ -114,10 +120,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import moe_layer, train_step
-from bench.core.curves import BASE, REPEAT, convergence_table, save_curves, tightest_target
+from bench.core.curves import BASE, NOISE, REPEAT, convergence_table, save_curves, tightest_target
 from bench.core.kernel_profile import profile_lines, profile_step
 from bench.core.text import err as _err, fmt_cell as _fmt, log
 from bench.lowp_convergence import BENCH8_LR, bench8_config, bench_convergence
+from bench.lowp_noise import FP8_ROWWISE_SIGMA, NoiseInjection
 from lightning_moe.callbacks import LowPrecisionTraining
 from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES, GW_HP
 
@@ -331,12 +338,18 @@ def _run(label: str, cfg: Any, recipe: str, args: argparse.Namespace, device: to
                                  profile=profile, profile_trace=False, out=args.out)
     chk = _init_checksum_callback()
     plain = recipe in (BASE, REPEAT)  # REPEAT: the baseline's program again (convergence)
-    extra = ((chk,) if plain else (chk, _callback(recipe, args))) + tuple(more_callbacks)
     seed = args.seed if seed is None else seed
+    if recipe == NOISE:  # the bf16 program with FP8-sized noise on the forced recipes' GEMMs (convergence)
+        cb: Any = NoiseInjection(args.noise_sigma, seed=seed)
+    else:
+        cb = None if plain else _callback(recipe, args)
+    extra = ((chk,) if cb is None else (chk, cb)) + tuple(more_callbacks)
     r = train_step.run_ours(f"{label}-{recipe}", cfg, seq_len, batch_size, ts_args, lr, device, peak, timed,
                             extra_callbacks=extra, seed=seed, **run_kwargs)
     r["recipe"], r["init_checksum"], r["precision"], r["seed"] = recipe, chk.value, args.precision, seed
-    r["emulate"] = None if plain else _emulate(recipe, args)
+    r["emulate"] = None if plain or recipe == NOISE else _emulate(recipe, args)
+    if recipe == NOISE:
+        r["noise_sigma"] = args.noise_sigma
     if not plain:
         r["converted"] = list(extra[1].converted)
     n = len(r.get("step_times_s") or [])
@@ -440,7 +453,7 @@ def _recipes(value: str, allowed: tuple[str, ...], what: str, scoped: bool = Fal
     out = tuple(v.strip() for v in value.split(",") if v.strip())
     bad = [v for v in out if (v.partition(":")[0] if scoped else v) not in allowed
            or (not scoped and ":" in v) or not all(_valid_modifier(m) for m in _modifiers(v))
-           or {"dense", "experts"} <= set(_modifiers(v)) or (v.startswith(REPEAT) and ":" in v)]
+           or {"dense", "experts"} <= set(_modifiers(v)) or (v.partition(":")[0] in (REPEAT, NOISE) and ":" in v)]
     if bad:
         extra = (", each optionally with :dense or :experts (not both), :precise (no fast FP8 accumulation), "
                  ":dgrad_hp (the dense linears' input gradient in bf16), "
@@ -519,6 +532,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "same batch at the same weights, per parameter group (error, cosine, projection, and whether the "
                    "error persists from step to step: a bias)")
     g.add_argument("--conv-grad-window", type=int, default=8, help="steps per --conv-grad-check window")
+    g.add_argument("--noise-sigma", type=float, default=FP8_ROWWISE_SIGMA, help="the noise arm: each GEMM output's "
+                   "noise, relative to its rows' rms (default: a rowwise e4m3 GEMM's relative rms error)")
     g = p.add_argument_group("profile")
     g.add_argument("--profile", action="store_true", help="layer mode: profile one fwd+bwd of the baseline and of "
                    "--profile-recipes at each shape; step mode: 3 steps of every first run (device time by kernel "
@@ -548,7 +563,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         raise SystemExit("--routing: learned and/or forced")
     a.layer_recipes = _recipes(a.layer_recipes, ALL_RECIPES, "--layer-recipes", scoped=True)
     a.step_recipes = _recipes(a.step_recipes, ALL_RECIPES, "--step-recipes", scoped=True)
-    a.recipes = _recipes(a.recipes, ALL_RECIPES + (REPEAT,), "--recipes", scoped=True)
+    a.recipes = _recipes(a.recipes, ALL_RECIPES + (REPEAT, NOISE), "--recipes", scoped=True)
     a.profile_recipes = _recipes(a.profile_recipes, ALL_RECIPES, "--profile-recipes", scoped=True)
     a.step_models = _recipes(a.step_models, STEP_MODELS, "--step-models")
     a.step_modes = _recipes(a.step_modes, STEP_MODES, "--step-modes")

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 
 from bench import train_step
-from bench.core.curves import (BASE, REPEAT, compare, convergence_table, paired_stats, reference_runs, run_arm,
+from bench.core.curves import (BASE, NOISE, REPEAT, compare, convergence_table, paired_stats, reference_runs, run_arm,
                                run_key, run_label, save_curves, tightest_target)
 from bench.core.text import log
 from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES
@@ -298,7 +298,7 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             train_s = max(1.0, share - MARGIN_S[device.type])
             trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
             log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
-        hp = HighPrecisionLoss() if args.conv_hp_loss and arm not in (BASE, REPEAT) else None
+        hp = HighPrecisionLoss() if args.conv_hp_loss and arm not in (BASE, REPEAT, NOISE) else None
         checker = GradientCheck(args.conv_grad_check, args.conv_grad_window) \
             if args.conv_grad_check and arm != BASE else None
         more = tuple(c for c in (hp, checker) if c is not None)
@@ -331,8 +331,8 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             continue
         arm, seed = run_key(r)
         noise = arm == BASE  # another init: its difference is the noise, no target
-        target = None if noise or arm == REPEAT else TARGETS["block" if arm.partition(":")[0] in BLOCK_RECIPES
-                                                              else "fp8"]
+        target = None if noise or arm in (REPEAT, NOISE) else TARGETS["block" if arm.partition(":")[0]
+                                                                       in BLOCK_RECIPES else "fp8"]
         pair = base if noise else bases.get(seed)
         fields = {"model": args.preset, "emulate": r.get("emulate"), "precision": args.precision, "arm": arm,
                   "seed": seed}
@@ -343,6 +343,8 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
         s_r = compare(pair, r, steps, args.smooth, target, noise, **fields)
         if arm == REPEAT and "rel_diff" in s_r:  # the same program: a spread, not a result
             s_r["note"], s_r["ok"] = "the baseline's program again, same init: kernel nondeterminism", None
+        if arm == NOISE and "rel_diff" in s_r:  # an experiment beside the recipes, no target
+            s_r["note"], s_r["ok"] = f"bf16 with FP8-sized noise (sigma {r.get('noise_sigma')}), no rounding", None
         report["summary"].append(s_r)
     report["paired"] = paired_stats(report["summary"])
     log(convergence_table(report))

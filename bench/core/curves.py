@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional, Sequence
 from bench.core.text import fmt_cell, log
 
 BASE = "baseline"  # the run the others are compared with (bench/low_precision.py's name for it)
+NOISE = "noise"  # the bf16 program with zero-mean noise of FP8's size on the GEMMs a forced recipe converts
 REPEAT = "repeat"  # the baseline's program again from the same init: the spread kernel nondeterminism alone makes
 
 
