@@ -90,6 +90,10 @@ class GradientCheck(L.Callback):
                                              "norms", "experts.w1", "experts.w2", "experts.w3")) -> None:
         if window < 1 or any(s < 1 for s in starts):
             raise ValueError(f"--conv-grad-check: steps start at 1 and windows hold >= 1 step, got {starts}, {window}")
+        ordered = sorted(set(starts))
+        if any(b - a < window for a, b in zip(ordered, ordered[1:])):
+            raise ValueError(f"--conv-grad-check {','.join(map(str, ordered))}: windows of {window} steps overlap; "
+                             "start them at least --conv-grad-window steps apart")
         self.window, self.persist = window, persist
         self.checked = sorted({s + i for s in starts for i in range(window)})
         self.windows = sorted(set(starts))
@@ -158,7 +162,8 @@ class GradientCheck(L.Callback):
 
     def _persists(self, name: str, p: torch.Tensor) -> bool:
         """Whether ``name`` gets window accumulators: every parameter of under 2^25 elements, the larger ones (the
-        experts) in the first and the last layer only (the memory: 2 x 4 bytes per element per tensor)."""
+        experts) in the first and the last layer only (two accumulators of the parameter's size each: fp32, bf16 for the
+        large ones)."""
         if p.numel() <= 2**25:
             return True
         parts = _plain_name(name).split(".")

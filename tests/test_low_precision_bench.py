@@ -363,3 +363,6 @@ def test_grad_check_refuses_gradient_accumulation():
     GradientCheck([1]).setup(SimpleNamespace(accumulate_grad_batches=1), None, "fit")
     with pytest.raises(ValueError, match="steps start at 1"):
         GradientCheck([0])
+    with pytest.raises(ValueError, match="windows of 8 steps overlap"):
+        GradientCheck([1, 5])
+    assert GradientCheck([1, 9]).checked == list(range(1, 17))
