@@ -153,6 +153,12 @@ class LowPrecisionTraining(L.Callback):
             gradient ``dx = dy @ w`` as a high-precision GEMM (the experts' stays FP8). With ``fp8_rowwise_gw_hp``
             the dense backward has no FP8 GEMM: FP8 in the forward only, a diagnostic of where a loss difference
             comes from (it saves the forward GEMM's time only).
+        stochastic_weights: (dense linears in ``fp8_rowwise`` / ``fp8_rowwise_gw_hp``, our eager linear) each
+            optimizer step's FP8 weights (the forward's per row, the input gradient's per column, one draw each) are
+            an unbiased stochastic rounding of the weight onto the cast's e4m3 grid instead of the nearest value,
+            whose error repeats from step to step while the weight moves less than a rounding step
+            (:mod:`lightning_moe.lowp.fp8_stochastic`; one extra pass over each dense weight per step). The experts
+            and the activations round to nearest as before. An experiment of issue 23 (bench modifier ``:sr_w``).
 
     ``recipe="auto"``: when the model is built, every dense linear (M = tokens per micro-batch) and every MoE layer's
     gate / up and down grouped GEMM (M = tokens * top_k / local experts) is looked up in the table by its local
@@ -167,7 +173,7 @@ class LowPrecisionTraining(L.Callback):
                  tokens_per_microbatch: Optional[int] = None, table: Union[str, Path, dict, None] = None,
                  min_speedup: float = 1.0, fsdp_float8_all_gather: bool = False, fuse_quant: bool = True,
                  cache_fp8_weights: bool = True, fused_dense: bool = True, fast_accum: bool = True,
-                 dgrad_hp: bool = False) -> None:
+                 dgrad_hp: bool = False, stochastic_weights: bool = False) -> None:
         if recipe != AUTO and recipe not in RECIPES:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: "
                              f"{[AUTO, *RECIPES]}")
@@ -184,6 +190,12 @@ class LowPrecisionTraining(L.Callback):
         if dgrad_hp and (recipe not in LINEAR_OF or not dense):
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}, dense={dense}, dgrad_hp=True): the high-"
                              f"precision input gradient is an option of the FP8 dense linears of {list(LINEAR_OF)}")
+        if stochastic_weights and (recipe not in SR_RECIPES or not dense or not fused_dense
+                                   or fsdp_float8_all_gather):
+            raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}, dense={dense}, fused_dense={fused_dense}, "
+                             "stochastic_weights=True): stochastically rounded weights are an option of the eager "
+                             f"rowwise dense linear (recipes {list(SR_RECIPES)}, dense=True, fused_dense=True, no "
+                             "FSDP float8 all-gather)")
         if tokens_per_microbatch is not None and tokens_per_microbatch <= 0:
             raise ValueError(f"LowPrecisionTraining(tokens_per_microbatch={tokens_per_microbatch}) must be positive")
         self.recipe, self.emulate = recipe, bool(emulate)
@@ -197,6 +209,7 @@ class LowPrecisionTraining(L.Callback):
         self.fused_dense = bool(fused_dense)
         self.fast_accum = bool(fast_accum)
         self.dgrad_hp = bool(dgrad_hp)
+        self.stochastic_weights = bool(stochastic_weights)
         self._edp_shard = 1
         # data ranks FSDP2 spans for the dense weights; None until setup knows the layout. The dense FP8 weight cache
         # needs 1 (FSDP2 refills its unsharded weights without a version bump, so a cached copy could go stale)
@@ -214,6 +227,7 @@ class LowPrecisionTraining(L.Callback):
                 f"dense={self.dense}, keep_bf16={list(self.keep_bf16)}"
                 + (f", force={list(self.force)}" if self.recipe == AUTO else "")
                 + ("" if self.fast_accum else ", fast_accum=False") + (", dgrad_hp=True" if self.dgrad_hp else "")
+                + (", stochastic_weights=True" if self.stochastic_weights else "")
                 + ")")
 
     # ---- Lightning hooks ------------------------------------------------------------------------
@@ -429,6 +443,11 @@ class LowPrecisionTraining(L.Callback):
             names = names - eager
             if not names:
                 return
+        if self.stochastic_weights:
+            raise ValueError(f"LowPrecisionTraining(stochastic_weights=True): {sorted(names)} would run torchao's "
+                             "Float8Linear (inside a compiled region, or under tensor parallelism), which rounds to "
+                             "nearest; leave them out of compile's regions, keep them in bf16 (keep_bf16), or drop "
+                             "stochastic_weights")
         original = {name: type(model.get_submodule(name)) for name in names}
         if recipe in SWAPPED_RECIPES:
             if recipe in BLOCK_RECIPES:
@@ -482,6 +501,7 @@ class LowPrecisionTraining(L.Callback):
             m.__class__ = fp8_class(Fp8Linear, type(m))
             m.lowp_recipe, m.lowp_emulate, m.lowp_wgrad_hp = recipe, self.emulate, wgrad_hp
             m.lowp_fast_accum, m.lowp_dgrad_hp = self.fast_accum, self.dgrad_hp
+            m.lowp_sr_weights = self.stochastic_weights
             m.lowp_weight_cache = Fp8WeightCache() if self._dense_data_ranks == 1 and self.cache_fp8_weights else None
             m.lowp_input_cache = None
             parent, _, leaf = name.rpartition(".")
@@ -509,6 +529,8 @@ class LowPrecisionTraining(L.Callback):
         # the original init stays: the swapped class is (Fp8Linear, original), whose reset_parameters comes first
 
 
+# recipes whose eager dense linear can round its weights stochastically (the rowwise casts' grid)
+SR_RECIPES = ("fp8_rowwise", GW_HP)
 # linears that read one activation: (role) -> module leaf names; the attention's are its input projections
 SHARED_INPUT = {"attention": ("wq", "wk", "wv", "wq_a", "wkv_a"), "mlp": ("w1", "w3")}
 

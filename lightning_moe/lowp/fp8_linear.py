@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 from lightning_moe.lowp.fp8_casts import (E4M3, E5M2, _tensor_scale, cast_colwise, cast_rowwise, cast_tensorwise,
                                           transpose_fp8)
 from lightning_moe.lowp.fp8_grouped import fp8_scale, qdq_fp8, quantize_rowwise
+from lightning_moe.lowp.fp8_stochastic import stochastic_round_e4m3
 from lightning_moe.lowp.high_precision import high_precision_active
 from lightning_moe.moe import kernels
 
@@ -135,10 +136,11 @@ class _Ops:
     """One implementation of the linear's quantized operands and GEMMs; operands are :data:`Operand` pairs."""
 
     def __init__(self, recipe: str, emulate: bool, wgrad_hp: bool = False, fast_accum: bool = True,
-                 dgrad_hp: bool = False) -> None:
+                 dgrad_hp: bool = False, sr_weights: bool = False) -> None:
         assert recipe in LINEAR_RECIPES and not (wgrad_hp and recipe != "rowwise")
+        assert not (sr_weights and recipe != "rowwise")
         self.recipe, self.emulate, self.wgrad_hp, self.fast_accum = recipe, emulate, wgrad_hp, fast_accum
-        self.dgrad_hp = dgrad_hp
+        self.dgrad_hp, self.sr_weights = dgrad_hp, sr_weights
 
     # -- rowwise ---------------------------------------------------------------------------------------------------
     def _rows(self, x_MC: Tensor) -> Operand:
@@ -175,6 +177,8 @@ class _Ops:
         """The forward's weight (and, tensorwise, the dgrad's too: one scale, any layout)."""
         with torch.no_grad():
             if self.recipe == "rowwise":
+                if self.sr_weights:  # onto the grid the cast below uses, so it quantizes exactly
+                    w_NK = stochastic_round_e4m3(w_NK, dim=-1)
                 return self._rows(w_NK)  # per output row n, amax over K
             if self.emulate:
                 return qdq_fp8(w_NK, _tensor_scale(w_NK, E4M3), E4M3), None
@@ -186,6 +190,8 @@ class _Ops:
         cache): rowwise per input column k (amax over N; scales [K]), tensorwise the forward's values."""
         with torch.no_grad():
             if self.recipe == "rowwise":
+                if self.sr_weights:  # its own draw, on the per-column grid
+                    w_NK = stochastic_round_e4m3(w_NK, dim=0)
                 if self.emulate:
                     return qdq_fp8(w_NK, fp8_scale(w_NK.detach().abs().float().amax(dim=0, keepdim=True))), None
                 if kernels.use_triton(w_NK):
@@ -296,7 +302,7 @@ def _fp8_linear_2d(x_MK: Tensor, w_NK: Tensor, x_op: Operand, ops: _Ops, cache: 
 @torch.compiler.disable  # eager kernels and Python caches: the callback uses this module outside compiled regions
 def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_cache: Any = None,
                input_cache: Optional[Fp8InputCache] = None, wgrad_hp: bool = False, fast_accum: bool = True,
-               dgrad_hp: bool = False) -> Tensor:
+               dgrad_hp: bool = False, sr_weights: bool = False) -> Tensor:
     """``x @ w.T`` ([..., K] -> [..., N], x's dtype) in the FP8 ``recipe`` (``rowwise`` / ``tensorwise``; the module
     docstring), gradients for x and w. ``weight_cache``: an :class:`~lightning_moe.lowp.fp8_fused.Fp8WeightCache`
     (the weight's FP8 copies made once per optimizer step). ``input_cache``: an :class:`Fp8InputCache` shared with
@@ -304,7 +310,9 @@ def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_ca
     the weight gradient as a high-precision GEMM. ``fast_accum``: the forward GEMM accumulates with Hopper's fast FP8
     accumulation (torchao's default); False promotes its partial sums to fp32, as the backward GEMMs always do.
     ``dgrad_hp``: the input gradient ``dx = dy @ w`` as a high-precision GEMM of the bf16 dy and w (with ``wgrad_hp``
-    the backward has no FP8 GEMM: FP8 in the forward only)."""
+    the backward has no FP8 GEMM: FP8 in the forward only). ``sr_weights`` (``rowwise``): the weight's FP8 operands
+    (forward and input gradient, one draw each per optimizer step with a weight cache) stochastically rounded
+    (:func:`~lightning_moe.lowp.fp8_stochastic.stochastic_round_e4m3`) instead of rounded to nearest."""
     if recipe not in LINEAR_RECIPES:
         raise ValueError(f"fp8_linear(recipe={recipe!r}): one of {LINEAR_RECIPES}")
     if wgrad_hp and recipe != "rowwise":
@@ -315,7 +323,10 @@ def fp8_linear(x: Tensor, w_NK: Tensor, *, recipe: str, emulate: bool, weight_ca
         raise ValueError(f"fp8_linear: in / out features {K} / {N} must be multiples of {ALIGN} (FP8 GEMM alignment); "
                          "keep this linear in high precision (keep_bf16)")
     w = w_NK.to(x.dtype) if w_NK.dtype != x.dtype else w_NK
-    ops = _Ops(recipe, emulate, wgrad_hp, fast_accum, dgrad_hp)
+    if sr_weights and recipe != "rowwise":
+        raise ValueError(f"fp8_linear(recipe={recipe!r}, sr_weights=True): stochastic weight rounding goes with "
+                         "recipe='rowwise' only")
+    ops = _Ops(recipe, emulate, wgrad_hp, fast_accum, dgrad_hp, sr_weights)
     x_MK = x.reshape(-1, K)
     x_op = input_cache.read(x, recipe) if input_cache is not None else None
     if x_op is None:
@@ -385,13 +396,14 @@ def fp8_rms_norm(x: Tensor, weight: Tensor, eps: float, *, emulate: bool, input_
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` whose GEMMs run :func:`fp8_linear` (set by ``LowPrecisionTraining``: ``lowp_recipe``,
     ``lowp_emulate``, ``lowp_weight_cache``, ``lowp_input_cache``, ``lowp_wgrad_hp``, ``lowp_fast_accum``,
-    ``lowp_dgrad_hp``)."""
+    ``lowp_dgrad_hp``, ``lowp_sr_weights``)."""
 
     lowp_recipe: str = "rowwise"
     lowp_emulate: bool = False
     lowp_wgrad_hp: bool = False
     lowp_fast_accum: bool = True
     lowp_dgrad_hp: bool = False
+    lowp_sr_weights: bool = False
     lowp_weight_cache: Any = None
     lowp_input_cache: Optional[Fp8InputCache] = None
 
@@ -400,11 +412,13 @@ class Fp8Linear(nn.Linear):
             return super().forward(x)
         y = fp8_linear(x, self.weight, recipe=self.lowp_recipe, emulate=self.lowp_emulate,
                        weight_cache=self.lowp_weight_cache, input_cache=self.lowp_input_cache,
-                       wgrad_hp=self.lowp_wgrad_hp, fast_accum=self.lowp_fast_accum, dgrad_hp=self.lowp_dgrad_hp)
+                       wgrad_hp=self.lowp_wgrad_hp, fast_accum=self.lowp_fast_accum, dgrad_hp=self.lowp_dgrad_hp,
+                       sr_weights=self.lowp_sr_weights)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         flags = (", wgrad_hp" if self.lowp_wgrad_hp else "") + (", dgrad_hp" if self.lowp_dgrad_hp else "") + (
+            ", sr_weights" if self.lowp_sr_weights else "") + (
             "" if self.lowp_fast_accum else ", fast_accum=False")
         return f"{super().extra_repr()}, fp8={self.lowp_recipe}{flags}"
 
