@@ -63,8 +63,8 @@ Recipes (``--layer-recipes``, ``--step-recipes``, ``--recipes``): any may carry 
 to find which GEMMs cost the speed or the loss; and ``:precise``: no FP8 GEMM uses Hopper's fast accumulation
 (``LowPrecisionTraining(fast_accum=False)``), e.g. ``fp8_rowwise:experts:precise``; ``:dgrad_hp``: the dense linears'
 input gradient in bf16 (``LowPrecisionTraining(dgrad_hp=True)``; ``fp8_rowwise_gw_hp:dense:dgrad_hp`` is FP8 in the
-dense forward only); ``:sr_w``: the dense linears' FP8 weights stochastically rounded each step
-(``LowPrecisionTraining(stochastic_weights=True)``, e.g. ``fp8_rowwise:dense:sr_w``); and ``:keep=PATTERN``
+dense forward only); ``:sr_w``: the FP8 weights (experts and dense linears) stochastically rounded each step
+(``LowPrecisionTraining(stochastic_weights=True)``, e.g. ``fp8_rowwise:sr_w``, ``fp8_rowwise:dense:sr_w``); and ``:keep=PATTERN``
 (repeatable): those modules stay in bf16 (``LowPrecisionTraining(keep_bf16=[...])``, fnmatch on module names), e.g.
 ``fp8_rowwise:dense:keep=*.wo`` for FP8 on the attention's q / k / v projections only (bench8's dense linears are
 the attention's four); and ``:emulate``: that arm emulated on CUDA too (``fp8_rowwise:emulate`` pairs the
@@ -165,7 +165,7 @@ class Budget:
 # without Hopper's fast FP8 accumulation (``precise``: LowPrecisionTraining(fast_accum=False))
 SCOPES = {"dense": {"experts": False}, "experts": {"dense": False}, "precise": {"fast_accum": False},
           "dgrad_hp": {"dgrad_hp": True},  # the dense linears' input gradient in bf16
-          "sr_w": {"stochastic_weights": True}}  # the dense linears' FP8 weights stochastically rounded
+          "sr_w": {"stochastic_weights": True}}  # the FP8 weights stochastically rounded (rowwise recipes)
 # ``recipe:emulate``: that arm emulated on CUDA too (a distinct arm beside the kernels' run of the same recipe, so
 # that the emulation's convergence pairs with the same baselines: the reference numerics against the kernels')
 EMULATE = "emulate"
@@ -458,7 +458,7 @@ def _recipes(value: str, allowed: tuple[str, ...], what: str, scoped: bool = Fal
            or {"dense", "experts"} <= set(_modifiers(v)) or (v.partition(":")[0] in (REPEAT, NOISE) and ":" in v)]
     if bad:
         extra = (", each optionally with :dense or :experts (not both), :precise (no fast FP8 accumulation), "
-                 ":dgrad_hp (the dense linears' input gradient in bf16), :sr_w (their FP8 weights stochastically rounded), "
+                 ":dgrad_hp (the dense linears' input gradient in bf16), :sr_w (FP8 weights stochastically rounded), "
                  ":emulate (emulated on CUDA too) and :keep=PATTERN (module names kept in bf16; repeatable)"
                  if scoped else "")
         raise SystemExit(f"{what}: unknown {bad}; choose from {list(allowed)}{extra}")

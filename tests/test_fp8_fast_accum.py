@@ -96,7 +96,11 @@ def test_grouped_mm_numerics_and_the_unfused_route(monkeypatch):
             assert seen == []
         else:
             assert seen == [{"emulate": True, "wgrad_hp": flags[0], "bwd_fast_accum": flags[1],
-                             "fwd_fast_accum": flags[2]}]
+                             "fwd_fast_accum": flags[2], "sr_weights": False}]
+    seen.clear()  # stochastically rounded weights: numerics torchao's function lacks, so ours runs
+    LowPrecisionGroupedMM("fp8_rowwise", emulate=True, fuse=False, sr_weights=True)(x, w, offs)
+    assert seen == [{"emulate": True, "wgrad_hp": False, "bwd_fast_accum": True, "fwd_fast_accum": True,
+                     "sr_weights": True}]
 
 
 def _tiny():

@@ -13,6 +13,8 @@ import torch
 
 from _memory import reference_model, step, tokens
 from lightning_moe.callbacks import LowPrecisionTraining
+from lightning_moe.callbacks.low_precision import LowPrecisionGroupedMM
+from lightning_moe.lowp import fp8_fused as ff
 from lightning_moe.lowp import fp8_linear as fl
 from lightning_moe.lowp import fp8_stochastic
 from lightning_moe.lowp.fp8_fused import Fp8WeightCache, _next_generation
@@ -87,6 +89,29 @@ def test_linear_product_is_unbiased_over_draws_where_nearest_is_not():
         fl.fp8_linear(x, w, recipe="tensorwise", emulate=True, sr_weights=True)
 
 
+def test_experts_grouped_product_is_unbiased_over_draws_where_nearest_is_not():
+    g = torch.Generator().manual_seed(12)
+    E, K, N = 3, 64, 48
+    offs = torch.tensor([16, 48, 64], dtype=torch.int32)  # 16-aligned groups (the FP8 grouped GEMM's rule)
+    x = torch.randn(64, K, generator=g)
+    w_ENK = (torch.randn(E, N, K, generator=g) * 0.02)
+    w_EKN = w_ENK.transpose(-2, -1)  # the experts' operand: a column-major view
+    ops = ff._Ops(emulate=True, sr_weights=True)
+    fwd, dgrad = ops.w_fwd(w_EKN)[0], ops.w_dgrad(w_EKN)[0]
+    assert fwd.shape == (E, K, N) and dgrad.shape == (E, N, K)
+    assert torch.equal(fwd, ff._qdq_along(fwd, -2)) and torch.equal(dgrad, ff._qdq_along(dgrad, -1))  # on the grids
+    xq = ff._qdq_along(x, -1)
+    exact = torch._grouped_mm(xq, w_EKN, offs=offs)
+    nearest = ff.fp8_rowwise_grouped_mm(x, w_EKN, offs, emulate=True)
+    draws = torch.stack([ff.fp8_rowwise_grouped_mm(x, w_EKN, offs, emulate=True, sr_weights=True)
+                         for _ in range(300)])
+    err_nearest = (nearest - exact).pow(2).mean().sqrt()
+    assert (draws.mean(0) - exact).pow(2).mean().sqrt() < 0.25 * err_nearest
+    with pytest.raises(ValueError, match="rowwise grouped GEMM"):
+        LowPrecisionGroupedMM("fp8_tensorwise", True, sr_weights=True)
+    assert "sr_weights=True" in repr(LowPrecisionGroupedMM("fp8_rowwise", True, sr_weights=True))
+
+
 def test_one_draw_per_optimizer_step_with_the_weight_cache():
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(6))
     w = _weight(7).float()
@@ -130,12 +155,18 @@ def test_callback_wires_it_and_refuses_what_would_round_to_nearest():
     cb.transform_model(model)
     linears = [m for m in model.modules() if isinstance(m, fl.Fp8Linear)]
     assert linears and all(m.lowp_sr_weights for m in linears) and "sr_weights" in repr(linears[0])
+    grouped = [m.grouped_mm for m in model.modules() if isinstance(getattr(m, "grouped_mm", None),
+                                                                  LowPrecisionGroupedMM)]
+    assert grouped and all(gm.sr_weights and gm._numerics()["sr_weights"] for gm in grouped)
+    experts_only = copy.deepcopy(base)
+    LowPrecisionTraining("fp8_rowwise", emulate=True, dense=False, stochastic_weights=True).transform_model(experts_only)
+    assert not any(isinstance(m, fl.Fp8Linear) for m in experts_only.modules())
     plain = copy.deepcopy(base)
     LowPrecisionTraining("fp8_rowwise", emulate=True).transform_model(plain)
     a, b = step(model, ids), step(plain, ids)
     assert all(torch.isfinite(torch.tensor(a["losses"])))
     assert a["losses"] != b["losses"]  # the draws differ from the nearest values
-    for kw in ({"recipe": "fp8_tensorwise"}, {"recipe": "fp8_rowwise", "dense": False},
+    for kw in ({"recipe": "fp8_tensorwise"}, {"recipe": "fp8_blockwise"},
                {"recipe": "fp8_rowwise", "fused_dense": False}, {"recipe": "auto"}):
         with pytest.raises(ValueError, match="stochastically rounded weights"):
             LowPrecisionTraining(stochastic_weights=True, emulate=True, **kw)
@@ -150,6 +181,16 @@ def test_callback_wires_it_and_refuses_what_would_round_to_nearest():
 def test_kernels_quantize_the_rounded_weight_exactly_on_gpu():
     w = _weight(9, shape=(512, 1024)).cuda()
     _assert_kernel_operands_are_the_draws(w)
+    w_EKN = _weight(10, shape=(4 * 256, 512)).cuda().reshape(4, 256, 512).transpose(-2, -1)  # [E, K, N] view
+    kern, emul = ff._Ops(emulate=False, sr_weights=True), ff._Ops(emulate=True, sr_weights=True)
+    for make in ("w_fwd", "w_dgrad"):
+        fp8_stochastic._GENERATORS.clear()
+        torch.manual_seed(41)
+        q, sc = getattr(kern, make)(w_EKN)
+        fp8_stochastic._GENERATORS.clear()
+        torch.manual_seed(41)
+        want = getattr(emul, make)(w_EKN)[0]
+        assert torch.equal(q.float() * sc[:, None, :], want), make  # torchao's casts round nothing further
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     wp = w.clone().requires_grad_()
     y = fl.fp8_linear(x, wp, recipe="rowwise", emulate=False, sr_weights=True)

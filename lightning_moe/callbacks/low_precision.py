@@ -153,12 +153,13 @@ class LowPrecisionTraining(L.Callback):
             gradient ``dx = dy @ w`` as a high-precision GEMM (the experts' stays FP8). With ``fp8_rowwise_gw_hp``
             the dense backward has no FP8 GEMM: FP8 in the forward only, a diagnostic of where a loss difference
             comes from (it saves the forward GEMM's time only).
-        stochastic_weights: (dense linears in ``fp8_rowwise`` / ``fp8_rowwise_gw_hp``, our eager linear) each
-            optimizer step's FP8 weights (the forward's per row, the input gradient's per column, one draw each) are
-            an unbiased stochastic rounding of the weight onto the cast's e4m3 grid instead of the nearest value,
-            whose error repeats from step to step while the weight moves less than a rounding step
-            (:mod:`lightning_moe.lowp.fp8_stochastic`; one extra pass over each dense weight per step). The experts
-            and the activations round to nearest as before. An experiment of issue 23 (bench modifier ``:sr_w``).
+        stochastic_weights: (``fp8_rowwise`` / ``fp8_rowwise_gw_hp``: the routed experts and our eager dense
+            linear) each optimizer step's FP8 weights (the forward's and the input gradient's, one draw each) are an
+            unbiased stochastic rounding of the weight onto the cast's e4m3 grid instead of the nearest value, whose
+            error repeats from step to step while the weight moves less than a rounding step
+            (:mod:`lightning_moe.lowp.fp8_stochastic`; a few extra elementwise passes over each weight per step).
+            Activations and gradients round to nearest as before. An experiment of issue 23 (bench modifier
+            ``:sr_w``).
 
     ``recipe="auto"``: when the model is built, every dense linear (M = tokens per micro-batch) and every MoE layer's
     gate / up and down grouped GEMM (M = tokens * top_k / local experts) is looked up in the table by its local
@@ -190,12 +191,12 @@ class LowPrecisionTraining(L.Callback):
         if dgrad_hp and (recipe not in LINEAR_OF or not dense):
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}, dense={dense}, dgrad_hp=True): the high-"
                              f"precision input gradient is an option of the FP8 dense linears of {list(LINEAR_OF)}")
-        if stochastic_weights and (recipe not in SR_RECIPES or not dense or not fused_dense
-                                   or fsdp_float8_all_gather):
+        if stochastic_weights and (recipe not in SR_RECIPES
+                                   or (dense and (not fused_dense or fsdp_float8_all_gather))):
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}, dense={dense}, fused_dense={fused_dense}, "
-                             "stochastic_weights=True): stochastically rounded weights are an option of the eager "
-                             f"rowwise dense linear (recipes {list(SR_RECIPES)}, dense=True, fused_dense=True, no "
-                             "FSDP float8 all-gather)")
+                             "stochastic_weights=True): stochastically rounded weights are an option of the rowwise "
+                             f"recipes {list(SR_RECIPES)}: their experts' grouped GEMM and our eager dense linear "
+                             "(fused_dense=True, no FSDP float8 all-gather; or dense=False)")
         if tokens_per_microbatch is not None and tokens_per_microbatch <= 0:
             raise ValueError(f"LowPrecisionTraining(tokens_per_microbatch={tokens_per_microbatch}) must be positive")
         self.recipe, self.emulate = recipe, bool(emulate)
@@ -428,7 +429,7 @@ class LowPrecisionTraining(L.Callback):
     def _grouped_mm(self, recipe: str, name: str) -> LowPrecisionGroupedMM:
         return LowPrecisionGroupedMM(recipe, self.emulate, name, fuse=self.fuse_quant,
                                      cache_weights=self.cache_fp8_weights and self._edp_shard == 1,
-                                     fast_accum=self.fast_accum)
+                                     fast_accum=self.fast_accum, sr_weights=self.stochastic_weights)
 
     def _compiled_linear(self, name: str) -> bool:
         """Whether the dense linear ``name`` runs inside a region ``MoEParallelStrategy(compile=...)`` compiles."""

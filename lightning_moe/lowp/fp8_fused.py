@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_moe.lowp.fp8_grouped import _qdq_along, emulated_wgrad, pad_layout, quantize_rowwise
+from lightning_moe.lowp.fp8_stochastic import stochastic_round_e4m3
 from lightning_moe.moe import kernels
 
 __all__ = ["ALIGN", "Fp8WeightCache", "fp8_gather_gate_up", "fp8_rowwise_grouped_mm", "fp8_swiglu_down"]
@@ -103,11 +104,13 @@ class _Ops:
     """One implementation of the FP8 rowwise grouped GEMM's pieces; operands are :data:`Operand` pairs.
     ``wgrad_hp``: weight gradients as high-precision grouped GEMMs (no FP8); ``bwd_fast_accum``: Hopper's fast FP8
     accumulation in the backward GEMMs too (torchao's grouped default; its dense default keeps it to the forward);
-    ``fwd_fast_accum``: in the forward GEMMs (torchao's default; False promotes the partial sums to fp32)."""
+    ``fwd_fast_accum``: in the forward GEMMs (torchao's default; False promotes the partial sums to fp32);
+    ``sr_weights``: the weight operands stochastically rounded onto their casts' grids
+    (:func:`~lightning_moe.lowp.fp8_stochastic.stochastic_round_e4m3`; the casts then round nothing)."""
 
     def __init__(self, emulate: bool, wgrad_hp: bool = False, bwd_fast_accum: bool = True,
-                 fwd_fast_accum: bool = True) -> None:
-        self.emulate, self.wgrad_hp = emulate, wgrad_hp
+                 fwd_fast_accum: bool = True, sr_weights: bool = False) -> None:
+        self.emulate, self.wgrad_hp, self.sr_weights = emulate, wgrad_hp, sr_weights
         self.bwd_fast_accum, self.fwd_fast_accum = bwd_fast_accum, fwd_fast_accum
         # e4m3 values in fp32 under emulation (Triton's interpreter cannot store fp8; fp32 holds them exactly)
         self.q_dtype = torch.float32 if emulate else E4M3
@@ -127,6 +130,8 @@ class _Ops:
     def w_fwd(self, w_EKN: Tensor) -> Operand:
         """The forward's weight: per (expert, n), amax over K."""
         with torch.no_grad():
+            if self.sr_weights:
+                w_EKN = stochastic_round_e4m3(w_EKN, dim=-2)
             if self.emulate:
                 return _qdq_along(w_EKN, -2), None
             from torchao.prototype.moe_training.kernels import triton_fp8_colwise_3d_scale_and_cast
@@ -137,6 +142,8 @@ class _Ops:
     def w_dgrad(self, w_EKN: Tensor) -> Operand:
         """The dgrad's weight ``w[g].T`` [E, N, K]: per (expert, k), amax over N."""
         with torch.no_grad():
+            if self.sr_weights:
+                w_EKN = stochastic_round_e4m3(w_EKN, dim=-1)
             if self.emulate:
                 return _qdq_along(w_EKN, -1).transpose(-2, -1), None
             from torchao.prototype.moe_training.kernels import triton_fp8_rowwise_3d_transpose_rhs
@@ -244,11 +251,11 @@ def _swiglu_backward(g: Tensor, u: Tensor, p: Optional[Tensor], dh: Tensor,
 
 def fp8_swiglu_down(g_RF: Tensor, u_RF: Tensor, p_R: Optional[Tensor], w_EFD: Tensor, offs_E: Tensor, *,
                     emulate: bool, cache: Optional[Fp8WeightCache] = None, wgrad_hp: bool = False,
-                    bwd_fast_accum: bool = True, fwd_fast_accum: bool = True) -> Tensor:
+                    bwd_fast_accum: bool = True, fwd_fast_accum: bool = True, sr_weights: bool = False) -> Tensor:
     """``grouped_mm(swiglu(g, u, p), w_EFD, offs)`` in the FP8 rowwise recipe with SwiGLU's output quantized by the
     SwiGLU kernel itself (the down GEMM takes its FP8 data and row scales: no second pass over h). [R, D] in the
     compute dtype; the numbers of the unfused path (module docstring). ``wgrad_hp``, ``*_fast_accum``: ``_Ops``."""
-    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum)
+    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum, sr_weights)
     return _Fp8SwiGLUDown.apply(g_RF, u_RF, p_R, w_EFD, offs_E, ops, cache)
 
 
@@ -293,13 +300,14 @@ class _Fp8GatherGateUp(torch.autograd.Function):
 
 def fp8_gather_gate_up(x_TD: Tensor, asg_R: Tensor, pos_TK: Tensor, w1_EDF: Tensor, w3_EDF: Tensor, offs_E: Tensor,
                        *, emulate: bool, cache: Optional[Fp8WeightCache] = None, wgrad_hp: bool = False,
-                       bwd_fast_accum: bool = True, fwd_fast_accum: bool = True) -> tuple[Tensor, Tensor]:
+                       bwd_fast_accum: bool = True, fwd_fast_accum: bool = True,
+                       sr_weights: bool = False) -> tuple[Tensor, Tensor]:
     """The gate and up grouped GEMMs of the rows ``x_TD[asg_R // k]`` (``pos_TK`` the rows of each token's
     assignments, -1 none) in the FP8 rowwise recipe, the rows quantized as they are gathered
     (:func:`lightning_moe.moe.kernels.gather_quant_rowwise`, once for both GEMMs). Triton kernels only (CUDA or the
     interpreter): the experts take this path only where they gather their own rows. ``wgrad_hp``, ``*_fast_accum``:
     ``_Ops``."""
-    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum)
+    ops = _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum, sr_weights)
     return _Fp8GatherGateUp.apply(x_TD, asg_R, pos_TK, w1_EDF, w3_EDF, offs_E, ops, cache)
 
 
@@ -326,8 +334,10 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
 
 
 def fp8_rowwise_grouped_mm(x_PK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, emulate: bool, wgrad_hp: bool = False,
-                           bwd_fast_accum: bool = True, fwd_fast_accum: bool = True) -> Tensor:
+                           bwd_fast_accum: bool = True, fwd_fast_accum: bool = True,
+                           sr_weights: bool = False) -> Tensor:
     """``torch._grouped_mm(x, w, offs=offs)`` in the FP8 rowwise recipe, each operand quantized here (groups already
     16-aligned: :func:`~lightning_moe.lowp.fp8_grouped.pad_groups`); with the defaults, the numbers of torchao's
     ``_to_fp8_rowwise_then_scaled_grouped_mm``. ``wgrad_hp``, ``*_fast_accum``: ``_Ops``."""
-    return _Fp8RowwiseGroupedMM.apply(x_PK, w_EKN, offs_E, _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum))
+    return _Fp8RowwiseGroupedMM.apply(x_PK, w_EKN, offs_E,
+                                      _Ops(emulate, wgrad_hp, bwd_fast_accum, fwd_fast_accum, sr_weights))

@@ -41,7 +41,7 @@ ROWWISE_GROUPED = ("fp8_tensorwise", "fp8_rowwise", GW_HP)  # recipes whose expe
 LINEAR_OF = {"fp8_tensorwise": ("tensorwise", False), "fp8_rowwise": ("rowwise", False), GW_HP: ("rowwise", True)}
 TORCHAO_RECIPE = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise", GW_HP: "rowwise_with_gw_hp"}
 # the rowwise grouped GEMM's numerics with fp8_rowwise (torchao's _to_fp8_rowwise_then_scaled_grouped_mm)
-TORCHAO_GROUPED_NUMERICS = {"wgrad_hp": False, "bwd_fast_accum": True, "fwd_fast_accum": True}
+TORCHAO_GROUPED_NUMERICS = {"wgrad_hp": False, "bwd_fast_accum": True, "fwd_fast_accum": True, "sr_weights": False}
 SWAPPED_RECIPES = BLOCK_RECIPES + ("fp8_blockwise",)  # dense linears get their class swapped (not torchao's convert)
 # modules that stay in the run's precision whatever the options (suffixes of module names)
 ALWAYS_KEPT = ("output", "gate")  # the LM head; the shared experts' sigmoid gate (out dim 1)
@@ -128,8 +128,12 @@ class LowPrecisionGroupedMM(GroupedMM):
     fallback_hint = "fix the shapes, or keep these experts in high precision with keep_bf16"
 
     def __init__(self, recipe: str, emulate: bool, name: str = "experts", *, fuse: bool = True,
-                 cache_weights: bool = True, fast_accum: bool = True) -> None:
+                 cache_weights: bool = True, fast_accum: bool = True, sr_weights: bool = False) -> None:
+        if sr_weights and recipe not in ("fp8_rowwise", GW_HP):
+            raise ValueError(f"LowPrecisionGroupedMM(recipe={recipe!r}, sr_weights=True): stochastically rounded "
+                             "weights go with the rowwise grouped GEMM of fp8_rowwise / fp8_rowwise_gw_hp")
         self.recipe, self.emulate, self.name = recipe, emulate, name
+        self.sr_weights = bool(sr_weights)
         self.align = RECIPES[recipe][1]
         # the rowwise grouped GEMM's numerics (lightning_moe.lowp.fp8_fused._Ops): Hopper's fast FP8 accumulation in
         # the forward (fast_accum) and in the backward (also off for gw_hp), high-precision weight gradients
@@ -147,13 +151,13 @@ class LowPrecisionGroupedMM(GroupedMM):
 
     def __repr__(self) -> str:
         fused = f", fused_fp8=True, cache_weights={self.weight_cache is not None}" if self.fused_fp8 else ""
-        accum = "" if self.fwd_fast_accum else ", fast_accum=False"
+        accum = ("" if self.fwd_fast_accum else ", fast_accum=False") + (", sr_weights=True" if self.sr_weights else "")
         return f"LowPrecisionGroupedMM(recipe={self.recipe!r}, emulate={self.emulate}{fused}{accum})"
 
     def _numerics(self) -> dict[str, bool]:
         """The keyword arguments of the fp8_fused functions that set the rowwise grouped GEMM's numerics."""
         return {"wgrad_hp": self.wgrad_hp, "bwd_fast_accum": self.bwd_fast_accum,
-                "fwd_fast_accum": self.fwd_fast_accum}
+                "fwd_fast_accum": self.fwd_fast_accum, "sr_weights": self.sr_weights}
 
     def _check_dims(self, K: int, N: int) -> None:
         if K % self.align or N % self.align:
