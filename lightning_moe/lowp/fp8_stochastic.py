@@ -40,12 +40,13 @@ def stochastic_round_e4m3(w: Tensor, dim: int, generator: Optional[torch.Generat
     """``w`` stochastically rounded onto the e4m3 grid of its power-of-two scale along ``dim`` (the amax dimension
     of the cast that follows: -1 for the forward's per-row weight, 0 for the input gradient's per-column one), in
     ``w``'s dtype; unbiased for values within the format's range."""
-    wf = w.detach().float()
-    scale = fp8_scale(wf.abs().amax(dim=dim, keepdim=True))
-    y = (wf * scale).clamp(-E4M3_MAX, E4M3_MAX)
+    scale = fp8_scale(w.detach().abs().amax(dim=dim, keepdim=True).float())
+    y = (w.detach().float() * scale).clamp_(-E4M3_MAX, E4M3_MAX)
     a = y.abs()
-    _, exp = torch.frexp(a)  # a = m * 2^exp, m in [0.5, 1): floor(log2 a) = exp - 1
-    spacing = torch.exp2((exp - 1).clamp(min=MIN_EXP).float() - MANTISSA_BITS)
+    # the e4m3 spacing at |y|: 2^floor(log2 |y|) (y's exponent bits) * 2^-3, at least the subnormal step 2^-9
+    spacing = (a.view(torch.int32) & 0x7F800000).view(torch.float32).mul_(2.0 ** -MANTISSA_BITS)
+    spacing.clamp_(min=2.0 ** (MIN_EXP - MANTISSA_BITS))
     u = torch.rand(a.shape, generator=generator if generator is not None else _generator(a.device), device=a.device)
-    r = torch.floor(a / spacing + u) * spacing  # a / spacing exact (a power of two); u < 1 keeps grid values
-    return (torch.copysign(r.clamp(max=E4M3_MAX), y) / scale).to(w.dtype)
+    # a / spacing is exact (a power of two); u < 1 keeps grid values; the top of the range stays 448
+    r = a.div_(spacing).add_(u).floor_().mul_(spacing).clamp_(max=E4M3_MAX)
+    return r.copysign_(y).div_(scale).to(w.dtype)
