@@ -17,14 +17,14 @@ measures the noise's gradient error, to set beside FP8's).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_moe.callbacks.low_precision import ALWAYS_KEPT
 from lightning_moe.lowp.high_precision import high_precision_active
+from lightning_moe.lowp.recipes import ALWAYS_KEPT
 from lightning_moe.moe.grouped_mm import GroupedMM
 
 FP8_ROWWISE_SIGMA = 0.0375  # sqrt(2) x the 2.65% relative rms error of a rowwise-quantized e4m3 operand
@@ -45,9 +45,7 @@ class _NoisyGemm(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, fn: Callable[..., Tensor], rest: tuple, noise: "NoiseInjection") -> Tensor:
         ctx.save_for_backward(x, w)
         ctx.fn, ctx.rest, ctx.noise = fn, rest, noise
-        with torch.no_grad():
-            y = fn(x, w, *rest)
-        return noise.add(y, rowwise=True)
+        return noise.add(fn(x, w, *rest), rowwise=True)  # (autograd records nothing inside forward)
 
     @staticmethod
     def backward(ctx, dy: Tensor):

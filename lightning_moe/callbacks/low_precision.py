@@ -91,7 +91,7 @@ from lightning_moe.lowp.crossover import (BENCH_COMMAND, CrossoverTable, Gemm, d
 from lightning_moe.lowp.fp8_linear import Fp8InputCache, Fp8Linear, Fp8QuantRMSNorm, fp8_class
 from lightning_moe.lowp.gemm_choice import GemmDecision, decide, decision_table
 from lightning_moe.lowp.recipes import (ALWAYS_KEPT, AUTO, AUTO_RECIPES, BLOCK_RECIPES, GW_HP, LINEAR_OF, RECIPES,
-                                       ROWWISE_GROUPED, SWAPPED_RECIPES, TORCHAO_RECIPE, BlockScaledLinear,
+                                       ROWWISE_GROUPED, SR_RECIPES, SWAPPED_RECIPES, TORCHAO_RECIPE, BlockScaledLinear,
                                        LowPrecisionGroupedMM, PerShapeGroupedMM, block_class, check_hardware,
                                        load_block_formats)
 from lightning_moe.moe.grouped_mm import GroupedMM, TorchGroupedMM
@@ -530,8 +530,6 @@ class LowPrecisionTraining(L.Callback):
         # the original init stays: the swapped class is (Fp8Linear, original), whose reset_parameters comes first
 
 
-# recipes whose eager dense linear can round its weights stochastically (the rowwise casts' grid)
-SR_RECIPES = ("fp8_rowwise", GW_HP)
 # linears that read one activation: (role) -> module leaf names; the attention's are its input projections
 SHARED_INPUT = {"attention": ("wq", "wk", "wv", "wq_a", "wkv_a"), "mlp": ("w1", "w3")}
 

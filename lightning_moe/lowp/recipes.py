@@ -37,6 +37,9 @@ AUTO_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")  # what the ta
 BLOCK_RECIPES = ("mxfp8", "nvfp4")
 GW_HP = "fp8_rowwise_gw_hp"
 ROWWISE_GROUPED = ("fp8_tensorwise", "fp8_rowwise", GW_HP)  # recipes whose experts run the FP8 rowwise grouped GEMM
+# recipes whose weights may be stochastically rounded (LowPrecisionTraining(stochastic_weights=True)): the rowwise
+# grids of the experts' grouped GEMM and of our eager dense linear
+SR_RECIPES = ("fp8_rowwise", GW_HP)
 # our eager FP8 linear's recipe and wgrad_hp for each recipe it runs; torchao's recipe name inside compiled regions
 LINEAR_OF = {"fp8_tensorwise": ("tensorwise", False), "fp8_rowwise": ("rowwise", False), GW_HP: ("rowwise", True)}
 TORCHAO_RECIPE = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise", GW_HP: "rowwise_with_gw_hp"}
@@ -129,9 +132,9 @@ class LowPrecisionGroupedMM(GroupedMM):
 
     def __init__(self, recipe: str, emulate: bool, name: str = "experts", *, fuse: bool = True,
                  cache_weights: bool = True, fast_accum: bool = True, sr_weights: bool = False) -> None:
-        if sr_weights and recipe not in ("fp8_rowwise", GW_HP):
+        if sr_weights and recipe not in SR_RECIPES:
             raise ValueError(f"LowPrecisionGroupedMM(recipe={recipe!r}, sr_weights=True): stochastically rounded "
-                             "weights go with the rowwise grouped GEMM of fp8_rowwise / fp8_rowwise_gw_hp")
+                             f"weights go with the rowwise grouped GEMM of {list(SR_RECIPES)}")
         self.recipe, self.emulate, self.name = recipe, emulate, name
         self.sr_weights = bool(sr_weights)
         self.align = RECIPES[recipe][1]
