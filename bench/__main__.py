@@ -36,4 +36,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bench.core.exit import run_then_exit
+
+    run_then_exit(main)  # sys.exit(main()); under torchrun flushed, then os._exit (bench/core/exit.py says why)
