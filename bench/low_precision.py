@@ -37,7 +37,10 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  a 20-step warmup and bf16 AdamW state its baseline spiked and two runs of one bf16 program ended
                  5.6% apart); ``tiny``: the main job's model and settings (``examples/configs/tiny.yaml``: lr 3e-3,
                  8 x 256 tokens, AdamW wd 0.1, warmup min(20, steps / 10)). ``--conv-lr``, ``--conv-warmup``,
-                 ``--conv-master`` override them. Both: cosine to 0.1 x lr, AdamW wd 0.1, clip 1.0.
+                 ``--conv-master`` override them;
+                 ``--conv-model KEY=VALUE`` (repeatable, ``moe.KEY`` for the MoE block) rebuilds bench8 at another
+                 shape, e.g. fewer layers, a narrower width or 64 experts top-8 small enough for a CPU, to find
+                 where a recipe's loss difference appears. Both: cosine to 0.1 x lr, AdamW wd 0.1, clip 1.0.
                  Smoothed final loss = mean train loss of the last ``--smooth`` (20) steps; relative difference to
                  the baseline (targets: FP8 recipes 1%, MXFP8 / NVFP4 3%). Curves: ``<out stem>_curves.png``
                  (matplotlib, the ``bench`` extra) or ``.csv``. ``--conv-seeds 0,1,2``: every init seed runs the
@@ -513,6 +516,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "for tiny")
     g.add_argument("--conv-steps", type=int, default=None, help="steps per run (default 300; 8 with --small)")
     g.add_argument("--smooth", type=int, default=None, help="steps averaged for the final loss (default 20; 3 small)")
+    g.add_argument("--conv-model", action="append", default=None, metavar="KEY=VALUE", help="bench8 only: override "
+                   "a field of its model (moe.KEY for the MoE block), repeatable, e.g. --conv-model hidden_size=512 "
+                   "--conv-model moe.num_experts=128; recorded in the report's settings")
     g.add_argument("--noise-seed", type=int, default=None, help="also run the baseline from this init seed: its "
                    "difference to the first baseline is the noise the recipes' differences are read against")
     g.add_argument("--conv-seeds", default=None, help="comma-separated init seeds (default: --seed): each runs the "
@@ -550,6 +556,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         a.precision = "bf16-true" if a.device == "cuda" else "32-true"
     if a.preset is None:
         a.preset = "bench8" if a.device == "cuda" else "tiny"
+    if a.conv_model and a.preset != "bench8":
+        raise SystemExit("--conv-model overrides the bench8 model; add --preset bench8 (tiny is the main job's model)")
     if a.recipes is None:
         a.recipes = ",".join(FP8_RECIPES if a.preset == "bench8" else BLOCK_RECIPES)
     a.modes = [m.strip() for m in a.mode.split(",") if m.strip()]

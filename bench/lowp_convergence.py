@@ -224,10 +224,50 @@ def grad_check_table(label: str, check: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def parse_model_overrides(items: list[str]) -> dict[str, Any]:
+    """``--conv-model`` items ``KEY=VALUE`` (``moe.KEY`` for the MoE block; VALUE a YAML scalar) as keyword overrides
+    of :meth:`ModelConfig.from_preset`, e.g. ``["hidden_size=512", "moe.num_experts=128"]`` ->
+    ``{"hidden_size": 512, "moe": {"num_experts": 128}}``."""
+    import json
+
+    import yaml
+
+    def scalar(text: str) -> Any:
+        try:
+            return json.loads(text)  # 1e4 is a float here, a string to YAML 1.1
+        except ValueError:
+            return yaml.safe_load(text)
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise SystemExit(f"--conv-model {item!r}: write KEY=VALUE, e.g. hidden_size=512 or moe.num_experts=64")
+        *parents, leaf = key.split(".")
+        if len(parents) > 1 or (parents and parents[0] != "moe"):
+            raise SystemExit(f"--conv-model {item!r}: only model fields and moe.<field> can be set")
+        node = out.setdefault("moe", {}) if parents else out
+        node[leaf] = scalar(value)
+    return out
+
+
 def bench8_config(args: argparse.Namespace) -> Any:
-    """The 8-layer Qwen3-30B-A3B-shaped bench model of ``bench/train_step.py`` (2 small layers with ``--small``)."""
-    return train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
-                                                     seq_len=args.seq_len))
+    """The 8-layer Qwen3-30B-A3B-shaped bench model of ``bench/train_step.py`` (2 small layers with ``--small``),
+    with ``--conv-model`` overrides (a shape between the two, to find where FP8's loss difference appears)."""
+    overrides = parse_model_overrides(getattr(args, "conv_model", None) or [])
+    if not overrides:
+        return train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
+                                                         seq_len=args.seq_len))
+    from lightning_moe.config import ModelConfig
+
+    base = train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
+                                                     seq_len=args.seq_len)).to_dict()
+    moe = {**base.pop("moe"), **overrides.pop("moe", {})}
+    try:
+        return ModelConfig.from_dict({**base, **overrides, "moe": moe})
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--conv-model: {e}") from e
 
 
 def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,9 +287,13 @@ def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench8_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {"cfg": bench8_config(args), "lr": BENCH8_LR, "seq_len": args.seq_len, "batch_size": args.batch_size,
-            "module": {"min_lr_ratio": 0.1, "weight_decay": 0.1}, "data": {}, "clip": 1.0,
-            "source": "bench/train_step.py qwen_config (8 layers)"}
+    s = {"cfg": bench8_config(args), "lr": BENCH8_LR, "seq_len": args.seq_len, "batch_size": args.batch_size,
+         "module": {"min_lr_ratio": 0.1, "weight_decay": 0.1}, "data": {}, "clip": 1.0,
+         "source": "bench/train_step.py qwen_config (8 layers)"}
+    if getattr(args, "conv_model", None):  # recorded, so reports of other shapes never merge (--conv-reference)
+        s["model_overrides"] = list(args.conv_model)
+        s["source"] += " with --conv-model overrides"
+    return s
 
 
 def convergence_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -153,6 +153,30 @@ def test_convergence_settings_bench8_defaults_and_overrides(bench):
     assert (over["lr"], over["warmup"], over["master"]) == (3e-4, 20, "none")
 
 
+def test_conv_model_overrides_the_bench8_shape_and_is_recorded(bench):
+    """--conv-model KEY=VALUE (moe.KEY for the MoE block) rebuilds bench8 at another shape; the overrides go into the
+    settings (so --conv-reference never merges reports of two shapes); bad items and the tiny preset are refused."""
+    from bench.lowp_convergence import convergence_settings, parse_model_overrides
+
+    assert parse_model_overrides(["hidden_size=512", "moe.num_experts=64", "moe.top_k=8", "rope_theta=1e4"]) == {
+        "hidden_size": 512, "rope_theta": 1e4, "moe": {"num_experts": 64, "top_k": 8}}
+    base = ["--device", "cpu", "--small", "--preset", "bench8"]
+    plain = convergence_settings(bench.parse_args(base))
+    assert "model_overrides" not in plain  # earlier reports' settings stay mergeable
+    s = convergence_settings(bench.parse_args([*base, "--conv-model", "num_layers=3", "--conv-model",
+                                               "moe.num_experts=16", "--conv-model", "moe.top_k=4"]))
+    cfg = s.pop("cfg")
+    ref = plain.pop("cfg")
+    assert (cfg.num_layers, cfg.moe.num_experts, cfg.moe.top_k) == (3, 16, 4)
+    assert (cfg.hidden_size, cfg.moe.expert_hidden_size) == (ref.hidden_size, ref.moe.expert_hidden_size)
+    assert s["model_overrides"] == ["num_layers=3", "moe.num_experts=16", "moe.top_k=4"]
+    for bad, msg in ((["hidden"], "KEY=VALUE"), (["attn.x=1"], "moe.<field>"), (["no_such_field=1"], "conv-model")):
+        with pytest.raises(SystemExit, match=msg):
+            convergence_settings(bench.parse_args([*base, *sum((["--conv-model", b] for b in bad), [])]))
+    with pytest.raises(SystemExit, match="--preset bench8"):
+        bench.parse_args(["--device", "cpu", "--conv-model", "hidden_size=64"])
+
+
 def test_kernel_categories_sum_device_time_per_step():
     """Kernels by name: a flash kernel is attention, a GEMM whose name says FP8 an FP8 GEMM (also a CUTLASS rowwise
     one, whose name says "rowwise" like a cast does, and cuBLASLt's nvjet_sm90_q*), other FP8 kernels quantization;
