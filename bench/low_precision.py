@@ -40,7 +40,7 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  ``--conv-master`` override them;
                  ``--conv-model KEY=VALUE`` (repeatable, ``moe.KEY`` for the MoE block) rebuilds bench8 at another
                  shape, e.g. fewer layers, a narrower width or 64 experts top-8 small enough for a CPU, to find
-                 where a recipe's loss difference appears. Both: cosine to 0.1 x lr, AdamW wd 0.1, clip 1.0.
+                 where a recipe's loss difference appears. Both presets: cosine to 0.1 x lr, AdamW wd 0.1, clip 1.0.
                  Smoothed final loss = mean train loss of the last ``--smooth`` (20) steps; relative difference to
                  the baseline (targets: FP8 recipes 1%, MXFP8 / NVFP4 3%). Curves: ``<out stem>_curves.png``
                  (matplotlib, the ``bench`` extra) or ``.csv``. ``--conv-seeds 0,1,2``: every init seed runs the

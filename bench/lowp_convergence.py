@@ -225,7 +225,7 @@ def grad_check_table(label: str, check: dict[str, Any]) -> str:
 
 
 def parse_model_overrides(items: list[str]) -> dict[str, Any]:
-    """``--conv-model`` items ``KEY=VALUE`` (``moe.KEY`` for the MoE block; VALUE a YAML scalar) as keyword overrides
+    """``--conv-model`` items ``KEY=VALUE`` (``moe.KEY`` for the MoE block; VALUE a JSON or YAML scalar) as keyword overrides
     of :meth:`ModelConfig.from_preset`, e.g. ``["hidden_size=512", "moe.num_experts=128"]`` ->
     ``{"hidden_size": 512, "moe": {"num_experts": 128}}``."""
     import json
@@ -255,17 +255,15 @@ def parse_model_overrides(items: list[str]) -> dict[str, Any]:
 def bench8_config(args: argparse.Namespace) -> Any:
     """The 8-layer Qwen3-30B-A3B-shaped bench model of ``bench/train_step.py`` (2 small layers with ``--small``),
     with ``--conv-model`` overrides (a shape between the two, to find where FP8's loss difference appears)."""
+    cfg = train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
+                                                    seq_len=args.seq_len))
     overrides = parse_model_overrides(getattr(args, "conv_model", None) or [])
     if not overrides:
-        return train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
-                                                         seq_len=args.seq_len))
-    from lightning_moe.config import ModelConfig
-
-    base = train_step.qwen_config(argparse.Namespace(small=args.small, layers=2 if args.small else 8,
-                                                     seq_len=args.seq_len)).to_dict()
+        return cfg
+    base = cfg.to_dict()
     moe = {**base.pop("moe"), **overrides.pop("moe", {})}
     try:
-        return ModelConfig.from_dict({**base, **overrides, "moe": moe})
+        return type(cfg).from_dict({**base, **overrides, "moe": moe})
     except (TypeError, ValueError) as e:
         raise SystemExit(f"--conv-model: {e}") from e
 

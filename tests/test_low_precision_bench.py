@@ -170,7 +170,7 @@ def test_conv_model_overrides_the_bench8_shape_and_is_recorded(bench):
     assert (cfg.num_layers, cfg.moe.num_experts, cfg.moe.top_k) == (3, 16, 4)
     assert (cfg.hidden_size, cfg.moe.expert_hidden_size) == (ref.hidden_size, ref.moe.expert_hidden_size)
     assert s["model_overrides"] == ["num_layers=3", "moe.num_experts=16", "moe.top_k=4"]
-    for bad, msg in ((["hidden"], "KEY=VALUE"), (["attn.x=1"], "moe.<field>"), (["no_such_field=1"], "conv-model")):
+    for bad, msg in ((["hidden"], "KEY=VALUE"), (["attn.x=1"], "moe.<field>"), (["no_such_field=1"], "--conv-model: unknown key .*no_such_field")):
         with pytest.raises(SystemExit, match=msg):
             convergence_settings(bench.parse_args([*base, *sum((["--conv-model", b] for b in bad), [])]))
     with pytest.raises(SystemExit, match="--preset bench8"):

@@ -21,16 +21,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from bench.core.curves import run_key  # noqa: E402  (older reports name a run's arm only in its label)
+# run_key: older reports name a run's arm only in its label
+from bench.core.curves import _moving_average, run_key  # noqa: E402
 STEPS = (1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 250, 300)
-
-
-def moving_mean(losses: list[float], n: int = 20) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(losses):
-        acc += v - (losses[i - n] if i >= n else 0.0)
-        out.append(acc / min(i + 1, n))
-    return out
 
 
 def load(pattern: str) -> dict[tuple[str, int], list[list[float]]]:
@@ -64,12 +57,12 @@ def main() -> None:
         if arm == "baseline" or ("baseline", seed) not in runs:
             continue
         base = runs[("baseline", seed)][0]
-        bm = moving_mean(base)
+        bm = _moving_average(base, 20)
         kind = "fp8" if arm.startswith("fp8") else "bf16 again" if arm in ("repeat", "auto") else None
         if kind is None:
             continue
         for losses in curves:
-            lm = moving_mean(losses)
+            lm = _moving_average(losses, 20)
             rel = [100 * (q - b) / b for q, b in zip(lm, bm)]
             kinds[kind].append(rel)
             first = next((i + 1 for i, (x, y) in enumerate(zip(losses, base)) if x != y), None)
