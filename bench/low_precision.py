@@ -59,7 +59,9 @@ same Lightning precision (``--precision``: bf16-true on CUDA, 32-true on CPU):
                  recipe converts (``bench/lowp_noise.py``), no target: what perturbations of FP8's size cost
                  without FP8's rounding. ``--conv-grad-check STEPS``: each non-baseline run compares, in windows
                  of ``--conv-grad-window`` steps, its gradient with the high-precision gradient of the same batch
-                 at the same weights, per parameter group (error, cosine, projection, persistence over steps).
+                 at the same weights, per parameter group (error, cosine, projection, persistence over steps),
+                 also in AdamW's coordinates (each element over the run's own sqrt(v_hat) + eps: how large the
+                 error is in the update the optimizer makes of it, small-gradient elements weighing as much).
 
 Recipes (``--layer-recipes``, ``--step-recipes``, ``--recipes``): any may carry ``:dense`` or ``:experts``, e.g.
 ``fp8_rowwise:experts``: FP8 on that kind of GEMM only (``LowPrecisionTraining(dense=False)`` / ``(experts=False)``),
@@ -538,7 +540,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    metavar="STEP[,STEP]", help="every run but the baselines also compares, in windows of "
                    "--conv-grad-window steps starting at these, its gradient with the high-precision gradient of the "
                    "same batch at the same weights, per parameter group (error, cosine, projection, and whether the "
-                   "error persists from step to step: a bias)")
+                   "error persists from step to step: a bias; each also over AdamW's denominator, adam_*)")
     g.add_argument("--conv-grad-window", type=int, default=8, help="steps per --conv-grad-check window")
     g.add_argument("--noise-sigma", type=float, default=FP8_ROWWISE_SIGMA, help="the noise arm: each GEMM output's "
                    "noise, relative to its rows' rms (default: a rowwise e4m3 GEMM's relative rms error)")

@@ -82,8 +82,13 @@ class GradientCheck(L.Callback):
     ``err_persist`` = |sum of e| / sqrt(sum of |e|^2): about 1 when the errors of successive steps are independent,
     up to sqrt(window) when each step makes the same error (a bias, which the optimizer's averaging cannot remove);
     ``grad_persist`` the same ratio of the high-precision gradients (how much of the signal itself persists); and
-    ``mean_rel_err`` = |mean e| / |mean h|, the error of the window's mean gradient. The extra forward and backward
-    change nothing in the run (the step's gradients are read, not written)."""
+    ``mean_rel_err`` = |mean e| / |mean h|, the error of the window's mean gradient. The same statistics in AdamW's
+    coordinates, where its update lives (each element over the run's own second-moment denominator of that step,
+    sqrt(v_hat) + eps with v fed this step's q; clipping, a factor common to all, left out): ``adam_rel_err``,
+    ``adam_cos`` per step and ``adam_mean_rel_err`` per window. Adam gives an element with a small gradient rms
+    the same step size as a large one, so an error that sits on small elements shows here far above ``rel_err``;
+    parameters the optimizer has no second moment for are left out of them. The extra forward and backward change
+    nothing in the run (the step's gradients and the optimizer's state are read, not written)."""
 
     def __init__(self, starts: list[int], window: int = 8,
                  persist: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "router",
@@ -101,7 +106,8 @@ class GradientCheck(L.Callback):
         self.window_stats: list[dict[str, Any]] = []
         self.seconds = 0.0
         self._batch: Any = None
-        self._acc: dict[str, list[Any]] = {}  # name -> [sum e, sum h, sum |e|^2, sum |h|^2]
+        # name -> [sum e, sum h, sum |e|^2, sum |h|^2, sum e/d, sum h/d] (d: AdamW's denominator; None without one)
+        self._acc: dict[str, list[Any]] = {}
         self._window: Any = None
         self._layers: set[int] = set()
 
@@ -127,34 +133,53 @@ class GradientCheck(L.Callback):
             n = out.num_tokens.to(out.loss_sum.dtype).clamp(min=1)
             objective = (out.loss_sum + n * (out.aux_loss + out.z_loss)) / n
         hp = torch.autograd.grad(objective, [p for _, p in named], allow_unused=True)
+        hyper = {id(p): (g["betas"][1], g["eps"]) for g in optimizer.param_groups
+                 if "betas" in g and "eps" in g for p in g["params"]}
         start = max((s for s in self.windows if s <= step < s + self.window), default=None)
         if start != self._window:
             self._close_window()
             self._window = start
         groups: dict[str, torch.Tensor] = {}
+        adam_groups: dict[str, torch.Tensor] = {}  # the same sums in AdamW's coordinates (each element over d)
         for (name, p), h in zip(named, hp):
             if h is None:
                 continue
             q, h = p.grad.detach().float(), h.detach().float()
             e = q - h
             g = grad_group(name)
+            d = adam_denominator(q, optimizer.state.get(p, {}), *hyper.get(id(p), (None, None)))
+            ea, ha = (e / d, h / d) if d is not None else (None, None)
             stats = torch.stack([(q * q).sum(), (h * h).sum(), (q * h).sum(), (e * e).sum()])
             groups[g] = groups[g] + stats if g in groups else stats
+            if ea is not None:
+                qa = ea + ha
+                stats_a = torch.stack([(qa * qa).sum(), (ha * ha).sum(), (qa * ha).sum(), (ea * ea).sum()])
+                adam_groups[g] = adam_groups[g] + stats_a if g in adam_groups else stats_a
             if g in self.persist and self._persists(name, p):
                 acc = self._acc.get(name)
                 if acc is None:  # large tensors (the experts) accumulate in bf16: a norm ratio needs no more
                     dtype = torch.bfloat16 if e.numel() > 2**25 else torch.float32
-                    self._acc[name] = [e.to(dtype), h.to(dtype), float(stats[3]), float(stats[1])]
+                    self._acc[name] = [e.to(dtype), h.to(dtype), float(stats[3]), float(stats[1]),
+                                       *((ea.to(dtype), ha.to(dtype)) if ea is not None else (None, None))]
                 else:
                     acc[0] += e
                     acc[1] += h
                     acc[2] += float(stats[3])
                     acc[3] += float(stats[1])
+                    if ea is not None and acc[4] is not None:
+                        acc[4] += ea
+                        acc[5] += ha
+                    else:  # a step without the optimizer's moments: the window has no AdamW figure
+                        acc[4] = acc[5] = None
         rows = {}
         for g, (qq, hh, qh, ee) in ((g, v.tolist()) for g, v in sorted(groups.items())):
             rows[g] = {"rel_err": math.sqrt(ee / hh) if hh > 0 else None,
                        "cos": qh / math.sqrt(qq * hh) if qq > 0 and hh > 0 else None,
                        "proj": qh / hh if hh > 0 else None}
+            if g in adam_groups:
+                qq, hh, qh, ee = adam_groups[g].tolist()
+                rows[g]["adam_rel_err"] = math.sqrt(ee / hh) if hh > 0 else None
+                rows[g]["adam_cos"] = qh / math.sqrt(qq * hh) if qq > 0 and hh > 0 else None
         self.steps.append({"step": step, "groups": rows})
         if step == max(self.checked):
             self._close_window()
@@ -174,20 +199,26 @@ class GradientCheck(L.Callback):
     def _close_window(self) -> None:
         if not self._acc:
             return
-        by_group: dict[str, list[float]] = {}
-        for name, (se, sh, ee, hh) in self._acc.items():
-            v = by_group.setdefault(grad_group(name), [0.0, 0.0, 0.0, 0.0])
+        by_group: dict[str, list[Any]] = {}
+        for name, (se, sh, ee, hh, sea, sha) in self._acc.items():
+            v = by_group.setdefault(grad_group(name), [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
             v[0] += float((se * se).sum())
             v[1] += float((sh * sh).sum())
             v[2] += ee
             v[3] += hh
+            if sea is None or v[4] is None:  # one parameter of the group without AdamW moments: no group figure
+                v[4] = v[5] = None
+            else:
+                v[4] += float(sea.float().square().sum())
+                v[5] += float(sha.float().square().sum())
         steps = [s["step"] for s in self.steps if self._window is not None
                  and self._window <= s["step"] < self._window + self.window]
         self.window_stats.append({"start": self._window, "steps": len(steps), "groups": {
             g: {"err_persist": math.sqrt(se / ee) if ee > 0 else None,
                 "grad_persist": math.sqrt(sh / hh) if hh > 0 else None,
-                "mean_rel_err": math.sqrt(se / sh) if sh > 0 else None}
-            for g, (se, sh, ee, hh) in sorted(by_group.items())}})
+                "mean_rel_err": math.sqrt(se / sh) if sh > 0 else None,
+                "adam_mean_rel_err": math.sqrt(sea / sha) if sea is not None and sha > 0 else None}
+            for g, (se, sh, ee, hh, sea, sha) in sorted(by_group.items())}})
         self._acc = {}
 
     def summary(self) -> dict[str, Any]:
@@ -205,22 +236,40 @@ class GradientCheck(L.Callback):
                 "mean": {g: {k: sum(v) / len(v) for k, v in row.items()} for g, row in sorted(groups.items())}}
 
 
+def adam_denominator(q: torch.Tensor, state: dict[str, Any], beta2: float | None,
+                     eps: float | None) -> torch.Tensor | None:
+    """AdamW's denominator of this step for gradient ``q`` (float): sqrt(v_hat) + eps, v = beta2 * v_prev + (1 -
+    beta2) * q^2 from the optimizer's ``exp_avg_sq`` (absent before its first step: zero), bias-corrected by the step
+    about to be taken; None without Adam hyperparameters or when the moment is not a plain tensor of q's shape."""
+    if beta2 is None or eps is None:
+        return None
+    v_prev, t_prev = state.get("exp_avg_sq"), state.get("step", 0)
+    if v_prev is not None and (type(v_prev) is not torch.Tensor or v_prev.shape != q.shape):
+        return None  # e.g. a DTensor shard's moment: not this check's (one-process) business
+    t = float(t_prev) + 1.0
+    v = (1.0 - beta2) * q * q
+    if v_prev is not None:
+        v = v + beta2 * v_prev.float()
+    return (v / (1.0 - beta2 ** t)).sqrt_() + eps
+
+
 def grad_check_table(label: str, check: dict[str, Any]) -> str:
     """The gradient check of one run as text: per group the mean step statistics, then each window's."""
     lines = [f"gradient check, {label}: {check['checked_steps']} steps ({check['seconds']:.1f} s); "
              "step means of rel_err |q-h|/|h|, cos, proj <q,h>/|h|^2; per window err_persist (1: independent "
              "errors, sqrt(n): the same error every step), grad_persist (the same of h), mean_rel_err"]
-    lines.append(f"  {'group':<22} {'rel_err':>8} {'cos':>7} {'proj':>7}")
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    lines.append(f"  {'group':<22} {'rel_err':>8} {'cos':>7} {'proj':>7} {'adam_rel_err':>12} {'adam_cos':>8}")
     for g, row in check["mean"].items():
-        lines.append(f"  {g:<22} {row.get('rel_err', float('nan')):8.4f} {row.get('cos', float('nan')):7.4f} "
-                     f"{row.get('proj', float('nan')):7.4f}")
+        lines.append(f"  {g:<22} {fmt(row.get('rel_err')):>8} {fmt(row.get('cos')):>7} {fmt(row.get('proj')):>7} "
+                     f"{fmt(row.get('adam_rel_err')):>12} {fmt(row.get('adam_cos')):>8}")
     for w in check["windows"]:
         lines.append(f"  window from step {w['start']} ({w['steps']} steps, sqrt = {math.sqrt(max(w['steps'], 1)):.2f})"
-                     f": {'group':<16} {'err_persist':>11} {'grad_persist':>12} {'mean_rel_err':>12}")
+                     f": {'group':<16} {'err_persist':>11} {'grad_persist':>12} {'mean_rel_err':>12} "
+                     f"{'adam_mean_rel_err':>17}")
         for g, row in w["groups"].items():
-            fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
             lines.append(f"    {g:<22} {fmt(row['err_persist']):>11} {fmt(row['grad_persist']):>12} "
-                         f"{fmt(row['mean_rel_err']):>12}")
+                         f"{fmt(row['mean_rel_err']):>12} {fmt(row.get('adam_mean_rel_err')):>17}")
     return "\n".join(lines)
 
 
@@ -287,7 +336,9 @@ def _tiny_settings(args: argparse.Namespace) -> dict[str, Any]:
 def _bench8_settings(args: argparse.Namespace) -> dict[str, Any]:
     s = {"cfg": bench8_config(args), "lr": BENCH8_LR, "seq_len": args.seq_len, "batch_size": args.batch_size,
          "module": {"min_lr_ratio": 0.1, "weight_decay": 0.1}, "data": {}, "clip": 1.0,
-         "source": "bench/train_step.py qwen_config (8 layers)"}
+         # the toy shape named, so its reports never merge with (or pool as) the full model's at equal settings
+         "source": "bench/train_step.py qwen_config (" + ("--small: 2 layers, D 256, 8 experts top-2)" if args.small
+                                                          else "8 layers)")}
     if getattr(args, "conv_model", None):  # recorded, so reports of other shapes never merge (--conv-reference)
         s["model_overrides"] = list(args.conv_model)
         s["source"] += " with --conv-model overrides"

@@ -163,6 +163,9 @@ def test_conv_model_overrides_the_bench8_shape_and_is_recorded(bench):
     base = ["--device", "cpu", "--small", "--preset", "bench8"]
     plain = convergence_settings(bench.parse_args(base))
     assert "model_overrides" not in plain  # earlier reports' settings stay mergeable
+    full = convergence_settings(bench.parse_args(["--device", "cpu", "--preset", "bench8", "--seq-len", "512"]))
+    assert full["source"] == "bench/train_step.py qwen_config (8 layers)"  # the H200 reports' settings, unchanged
+    assert plain["source"] != full["source"] and "--small" in plain["source"]  # never merged at equal seq_len
     s = convergence_settings(bench.parse_args([*base, "--conv-model", "num_layers=3", "--conv-model",
                                                "moe.num_experts=16", "--conv-model", "moe.top_k=4"]))
     cfg = s.pop("cfg")
@@ -335,9 +338,10 @@ def test_conv_grad_check_compares_each_step_gradient_with_high_precision(bench, 
         for g, row in s["groups"].items():
             assert row["rel_err"] == 0.0 and row["proj"] == pytest.approx(1.0, abs=1e-12), (s["step"], g, row)
             assert row["cos"] == pytest.approx(1.0, abs=1e-9), (s["step"], g, row)
+            assert row["adam_rel_err"] == 0.0 and row["adam_cos"] == pytest.approx(1.0, abs=1e-9), (s["step"], g)
     for w in rep["windows"]:
         assert w["groups"] and all(row["err_persist"] is None and row["mean_rel_err"] == 0.0
-                                   for row in w["groups"].values()), w
+                                   and row["adam_mean_rel_err"] == 0.0 for row in w["groups"].values()), w
     # fp8_rowwise: the quantized GEMMs' gradients differ from the high-precision ones, yet point the same way
     fp8 = runs["fp8_rowwise"]["grad_check"]
     for s in fp8["steps"]:
@@ -345,8 +349,12 @@ def test_conv_grad_check_compares_each_step_gradient_with_high_precision(bench, 
         assert {"head", "embedding"} <= set(groups)
         for g in ("attention.wq", "attention.wo", "experts.w1", "experts.w2"):
             assert groups[g]["rel_err"] > 0 and 0 < groups[g]["cos"] <= 1 + 1e-9, (s["step"], g, groups[g])
+            assert groups[g]["adam_rel_err"] > 0 and 0 < groups[g]["adam_cos"] <= 1 + 1e-9, (s["step"], g)
         assert all(row["cos"] is None or -1 - 1e-9 <= row["cos"] <= 1 + 1e-9 for row in groups.values())
-    for w in fp8["windows"]:  # one step: |e| / sqrt(|e|^2), 1
+    for w in fp8["windows"]:  # one step: |e| / sqrt(|e|^2), 1; the window's Adam error is its step's
+        (step,) = [s for s in fp8["steps"] if s["step"] == w["start"]]
+        assert w["groups"]["experts.w1"]["adam_mean_rel_err"] == pytest.approx(
+            step["groups"]["experts.w1"]["adam_rel_err"], rel=1e-2)  # bf16 accumulators of the experts
         assert w["groups"]["experts.w1"]["err_persist"] == pytest.approx(1.0, rel=1e-5)
         assert w["groups"]["experts.w1"]["grad_persist"] == pytest.approx(1.0, rel=1e-5)
     assert set(fp8["mean"]) == set(fp8["steps"][0]["groups"])
@@ -372,8 +380,35 @@ def test_conv_grad_check_compares_each_step_gradient_with_high_precision(bench, 
         row = w["groups"][g]
         assert 0 < row["err_persist"] <= math.sqrt(2) + 1e-6, (g, row)
         assert 0 < row["grad_persist"] <= math.sqrt(2) + 1e-6, (g, row)
-        assert row["mean_rel_err"] > 0
+        assert row["mean_rel_err"] > 0 and row["adam_mean_rel_err"] > 0
     assert runs2["fp8_rowwise"]["losses"] == plain["fp8_rowwise"]["losses"]
+    assert "adam_rel_err" in printed and "adam_mean_rel_err" in printed
+
+
+@pytest.mark.parametrize("opt", ["torch", "master"])
+def test_adam_denominator_is_the_one_the_optimizer_divides_by(opt):
+    """With beta1 = 0 and no weight decay AdamW's step is lr * g / (sqrt(v_hat) + eps) exactly, so each step's
+    parameter change recovers the denominator the gradient check puts the errors over, from no state (the first
+    step) and from the state of earlier steps; the optimizer's state is only read."""
+    from bench.lowp_convergence import adam_denominator
+    from lightning_moe.optim.master import MasterAdamW
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 5))
+    kw = dict(lr=1e-2, betas=(0.0, 0.95), eps=1e-6, weight_decay=0.0)
+    optim = torch.optim.AdamW([w], foreach=False, **kw) if opt == "torch" else MasterAdamW([w], fused=False, **kw)
+    for step in range(3):
+        g = torch.randn(6, 5) * (1 + 10 * step)
+        w.grad = g.clone()
+        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in optim.state.get(w, {}).items()}
+        d = adam_denominator(g, optim.state.get(w, {}), 0.95, 1e-6)
+        now = optim.state.get(w, {})
+        assert now.keys() == state.keys() and all(torch.equal(now[k], v) for k, v in state.items())
+        before = w.detach().clone()
+        optim.step()
+        torch.testing.assert_close(before - w.detach(), 1e-2 * g / d, rtol=1e-4, atol=1e-7)
+    assert adam_denominator(g, {}, None, None) is None
+    assert adam_denominator(g, {"exp_avg_sq": torch.zeros(3)}, 0.95, 1e-6) is None  # not this gradient's moment
 
 
 def test_grad_check_refuses_gradient_accumulation():

@@ -3,7 +3,10 @@
 Each run is paired with the bf16 baseline of its init (same init, same batches). Two kinds of pairs:
 - "bf16 again": the bf16 program run again (``repeat``) or with a callback that converted nothing (``auto``): their
   difference is the GPU's run-to-run nondeterminism grown by the trajectory, no precision change;
-- every FP8 arm (all recipes and scopes pooled: each one was within its own spread of the others).
+- every FP8 arm with round-to-nearest weights (all recipes and scopes pooled: each one was within its own spread of
+  the others);
+- FP8 with stochastically rounded weights (``:sr_w``) and ``noise`` (bf16 plus FP8-sized zero-mean noise, no
+  rounding), each a kind of its own: the two candidate readings of the FP8 penalty (issue 23).
 For each pair: the first step whose loss differs, the relative difference of the 20-step moving mean at a few steps,
 and the mean over kinds with its standard error. Plot: every pair thin, the kind's mean thick.
 
@@ -35,6 +38,8 @@ def load(pattern: str) -> dict[tuple[str, int], list[list[float]]]:
         s = conv.get("settings", {})
         if "runs" not in conv or s.get("lr") != 1e-4 or s.get("master") != "fp32" or conv.get("steps") != 300:
             continue
+        if s.get("seq_len") != 4096 or "model_overrides" in s or not s.get("source", "").endswith("(8 layers)"):
+            continue  # another shape (--small, --conv-model): not bench8's pairs
         for r in conv["runs"]:
             losses = r.get("losses")
             if not losses or r.get("from") or len(losses) < 300:
@@ -51,14 +56,15 @@ def main() -> None:
     p.add_argument("--out", default=None, help="PNG of the differences over the steps")
     a = p.parse_args()
     runs = load(a.glob)
-    kinds: dict[str, list[list[float]]] = {"bf16 again": [], "fp8": []}
+    kinds: dict[str, list[list[float]]] = {"bf16 again": [], "fp8": [], "fp8 sr_w": [], "noise": []}
     print(f"{'arm':36s} seed first-diff " + " ".join(f"{s:>6d}" for s in STEPS))
     for (arm, seed), curves in sorted(runs.items()):
         if arm == "baseline" or ("baseline", seed) not in runs:
             continue
         base = runs[("baseline", seed)][0]
         bm = _moving_average(base, 20)
-        kind = "fp8" if arm.startswith("fp8") else "bf16 again" if arm in ("repeat", "auto") else None
+        kind = ("fp8 sr_w" if ":sr_w" in arm else "fp8") if arm.startswith("fp8") else \
+            "bf16 again" if arm in ("repeat", "auto") else "noise" if arm == "noise" else None
         if kind is None:
             continue
         for losses in curves:
@@ -69,10 +75,13 @@ def main() -> None:
             print(f"{arm[:36]:36s} {seed:4d} {first!s:>10} " + " ".join(f"{rel[s - 1]:+6.2f}" for s in STEPS))
     print("\npooled: mean (standard error) of the relative difference of the 20-step moving mean, %")
     for kind, rows in kinds.items():
+        if not rows:
+            continue
         cells = []
         for s in STEPS:
             v = [r[s - 1] for r in rows]
-            cells.append(f"{st.mean(v):+.2f} ({st.stdev(v) / math.sqrt(len(v)):.2f})")
+            se = f"{st.stdev(v) / math.sqrt(len(v)):.2f}" if len(v) > 1 else "-"
+            cells.append(f"{st.mean(v):+.2f} ({se})")
         print(f"{kind:12s} n={len(rows):2d}  " + "  ".join(f"{s}: {c}" for s, c in zip(STEPS, cells)))
     if a.out:
         import matplotlib
@@ -80,8 +89,11 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(9, 4.5))
-        for kind, colour in (("bf16 again", "black"), ("fp8", "tab:orange")):
+        for kind, colour in (("bf16 again", "black"), ("fp8", "tab:orange"), ("fp8 sr_w", "tab:blue"),
+                             ("noise", "tab:green")):
             rows = kinds[kind]
+            if not rows:
+                continue
             for r in rows:
                 ax.plot(range(1, 301), r[:300], color=colour, alpha=0.18, lw=0.7)
             mean = [st.mean(r[i] for r in rows) for i in range(300)]
