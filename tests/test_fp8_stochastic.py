@@ -38,12 +38,21 @@ def _rtn(w: torch.Tensor, dim: int) -> torch.Tensor:
     return qdq_fp8(w.float(), fp8_scale(w.float().abs().amax(dim=dim, keepdim=True)))
 
 
+def _on(backend: str, w: torch.Tensor, monkeypatch) -> torch.Tensor:
+    """``w`` where ``backend`` runs: PyTorch ops, or the Triton kernel (compiled on a GPU machine, Triton's
+    interpreter on CPU)."""
+    monkeypatch.setenv(kernels.ENV_VAR, backend)
+    return w.to("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
 @pytest.mark.parametrize("dim", [-1, 0])
-def test_rounded_weight_is_on_the_casts_grid_unbiased_and_sr_sized(dim):
-    w = _weight()
+def test_rounded_weight_is_on_the_casts_grid_unbiased_and_sr_sized(dim, monkeypatch):
+    backend = "torch"  # the Triton pass: test_kernel_rounds_each_element_to_a_neighbour_in_any_layout
+    w = _on(backend, _weight(), monkeypatch)
     gen = torch.Generator().manual_seed(1)
-    draws = torch.stack([stochastic_round_e4m3(w, dim, gen).float() for _ in range(1500)])
+    draws = torch.stack([stochastic_round_e4m3(w, dim, gen).float() for _ in range(1500)]).cpu()
     assert draws.dtype == torch.float32 and stochastic_round_e4m3(w, dim, gen).dtype == torch.bfloat16
+    w = w.cpu()
     one = draws[0]
     if dim == -1:
         q, s = quantize_rowwise(one)
@@ -58,8 +67,34 @@ def test_rounded_weight_is_on_the_casts_grid_unbiased_and_sr_sized(dim):
     assert bias.mean() < 0.1 * rtn_err.mean()  # unbiased (1500 draws: ~2.6% of RTN's error is the noise)
     ratio = ((one - w.float()).pow(2).mean() / rtn_err.pow(2).mean()).sqrt()
     assert 1.2 < ratio < 1.6  # SR's rms error: sqrt(2) x round-to-nearest's for uniformly placed values
-    grid = _rtn(w, dim).to(torch.bfloat16)
+    grid = _on(backend, _rtn(w, dim).to(torch.bfloat16), monkeypatch)
     assert torch.equal(stochastic_round_e4m3(grid, dim, gen), grid)  # values on the grid stay
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dim", [-2, -1])
+def test_kernel_rounds_each_element_to_a_neighbour_in_any_layout(dim, monkeypatch):
+    """The Triton pass on the experts' operand, a transposed [E, K, N] view: each value is the grid value below or
+    above w * scale (over the scale), with the probability that keeps the mean; the result keeps w's strides."""
+    g = torch.Generator().manual_seed(13)
+    w_ENK = (torch.randn(3, 24, 40, generator=g) * 0.02).to(torch.bfloat16)
+    w_ENK[1, 2] *= 50  # one large row of expert 1
+    w_EKN = _on("triton", w_ENK, monkeypatch).transpose(-2, -1)
+    draws = [stochastic_round_e4m3(w_EKN, dim, g) for _ in range(300)]
+    assert draws[0].shape == w_EKN.shape and draws[0].stride() == w_EKN.stride()
+    d = torch.stack(draws).float().cpu()
+    w = w_EKN.float().cpu()
+    scale = fp8_scale(w.abs().amax(dim=dim, keepdim=True))
+    a = (w * scale).abs()
+    spacing = torch.exp2(torch.floor(torch.log2(a.clamp(min=2.0 ** -9)))).mul(2.0 ** -3).clamp(min=2.0 ** -9)
+    below = torch.floor(a / spacing) * spacing
+    above = torch.where(below == a, below, below + spacing)
+    got = (d * scale).abs()
+    assert bool(((got == below) | (got == above)).all())
+    p_up = ((a - below) / spacing).expand_as(got)
+    freq_up = (got == above).float().mean(0) - (above == below).float()  # draws that went up (grid values: 0)
+    assert (freq_up - p_up[0]).abs().mean() < 0.03  # 300 draws: ~0.018 of noise; round-to-nearest: ~0.25
+    assert torch.equal(ff._qdq_along(draws[0].float(), dim), draws[0].float())  # on the cast's grid
 
 
 def test_same_seed_same_draw_and_the_module_generator_follows_the_global_seed():
@@ -140,8 +175,8 @@ def _assert_kernel_operands_are_the_draws(w: torch.Tensor) -> None:
 
 
 def test_triton_casts_quantize_the_rounded_weight_exactly(monkeypatch):
-    monkeypatch.setenv(kernels.ENV_VAR, "triton")  # Triton's interpreter on CPU
-    w = _weight(8)
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")  # compiled on a GPU machine, Triton's interpreter on CPU
+    w = _weight(8).to("cuda" if torch.cuda.is_available() else "cpu")  # conftest sets the interpreter only without one
     _assert_kernel_operands_are_the_draws(w)
 
 

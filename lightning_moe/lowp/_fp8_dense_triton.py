@@ -136,3 +136,29 @@ def colwise_cast_kernel(x_ptr, amax_ptr, qt_ptr, sinv_ptr, M, C, BLOCK_M: tl.con
     tl.store(qt_ptr + c[:, None] * M + m[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
     if pid_m == 0:
         tl.store(sinv_ptr + c, 1.0 / scale, mask=cmask)
+
+
+@triton.jit
+def stochastic_round_kernel(w_ptr, scale_ptr, out_ptr, seed, n, R, C, t_b, t_r, t_c, FP8_MAX: tl.constexpr,
+                            STEP: tl.constexpr, MIN_STEP: tl.constexpr, BLOCK: tl.constexpr):
+    """``w`` [B, R, C] contiguous times its power-of-two ``scale`` (strides ``t_*``, 0 along the amax dimension),
+    clamped to +-FP8_MAX, rounded down or up to a neighbouring FP8 value with probabilities that keep its expectation
+    (u from ``tl.rand(seed, i)`` for the element's index i; u < 1 leaves grid values alone), divided by the scale
+    again (exact) into ``out`` (w's dtype, contiguous): :func:`lightning_moe.lowp.fp8_stochastic.stochastic_round_e4m3`
+    in one pass. Grid (cdiv(n, BLOCK),)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    c = i % C
+    r = (i // C) % R
+    b = i // (C * R)
+    w = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + b * t_b + r * t_r + c * t_c, mask=mask, other=1.0)
+    y = tl.minimum(tl.maximum(w * scale, -FP8_MAX), FP8_MAX)
+    a = tl.abs(y)
+    e = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    spacing = tl.maximum(e * STEP, MIN_STEP)
+    # a / spacing as a product with 1 / spacing, exact (a power of two: its exponent bits mirrored about 127)
+    v = a * (2130706432 - spacing.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    q = tl.minimum(tl.floor(v + tl.rand(seed, i)) * spacing, FP8_MAX)
+    q = tl.where(y < 0.0, -q, q)
+    tl.store(out_ptr + i, (q / scale).to(out_ptr.dtype.element_ty), mask=mask)
