@@ -63,10 +63,11 @@ def _stochastic_round_triton(w: Tensor, scale: Tensor, seed: int) -> Tensor:
     if not wp.is_contiguous():  # not dense (a slice): round a contiguous copy
         wp, sp, order = w3.contiguous(), scale3, [0, 1, 2]
     out = torch.empty(wp.shape, dtype=w.dtype, device=w.device)
-    n, block = out.numel(), 1024
-    k.stochastic_round_kernel[(-(-n // block),)](
-        wp, sp, out, seed, n, wp.shape[1], wp.shape[2], *sp.stride(), FP8_MAX=E4M3_MAX,
-        STEP=2.0 ** -MANTISSA_BITS, MIN_STEP=2.0 ** (MIN_EXP - MANTISSA_BITS), BLOCK=block)
+    rows, R, C = wp.shape[0] * wp.shape[1], wp.shape[1], wp.shape[2]
+    br, bc = 16, 128
+    k.stochastic_round_kernel[(-(-rows // br), -(-C // bc))](
+        wp, sp, out, seed, rows, R, C, *sp.stride(), FP8_MAX=E4M3_MAX, STEP=2.0 ** -MANTISSA_BITS,
+        MIN_STEP=2.0 ** (MIN_EXP - MANTISSA_BITS), BLOCK_R=br, BLOCK_C=bc)
     inverse = [order.index(d) for d in range(3)]
     return out.permute(inverse).reshape(w.shape)
 
