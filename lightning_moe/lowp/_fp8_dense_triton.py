@@ -138,7 +138,7 @@ def colwise_cast_kernel(x_ptr, amax_ptr, qt_ptr, sinv_ptr, M, C, BLOCK_M: tl.con
         tl.store(sinv_ptr + c, 1.0 / scale, mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new seed every call: no recompiles on its divisibility
 def stochastic_round_kernel(w_ptr, scale_ptr, out_ptr, seed, rows, R, C, t_b, t_r, t_c, FP8_MAX: tl.constexpr,
                             STEP: tl.constexpr, MIN_STEP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """``w`` [B, R, C] contiguous, seen as ``rows`` = B * R rows of C, times its power-of-two ``scale`` (strides
