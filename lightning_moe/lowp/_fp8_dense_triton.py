@@ -140,20 +140,25 @@ def colwise_cast_kernel(x_ptr, amax_ptr, qt_ptr, sinv_ptr, M, C, BLOCK_M: tl.con
 
 @triton.jit(do_not_specialize=["seed"])  # a new seed every call: no recompiles on its divisibility
 def stochastic_round_kernel(w_ptr, scale_ptr, out_ptr, seed, rows, R, C, t_b, t_r, t_c, FP8_MAX: tl.constexpr,
-                            STEP: tl.constexpr, MIN_STEP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                            STEP: tl.constexpr, MIN_STEP: tl.constexpr, ROW_SCALE: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """``w`` [B, R, C] contiguous, seen as ``rows`` = B * R rows of C, times its power-of-two ``scale`` (strides
     ``t_*``, 0 along the amax dimension), clamped to +-FP8_MAX, rounded down or up to a neighbouring FP8 value with
     probabilities that keep its expectation (u from ``tl.rand(seed, i)`` for the element's flat index i; u < 1 leaves
     grid values alone), divided by the scale again (exact) into ``out`` (w's dtype, contiguous):
     :func:`lightning_moe.lowp.fp8_stochastic.stochastic_round_e4m3` in one pass. Row and column indices are split
-    per tile, not per element. Grid (cdiv(rows, BLOCK_R), cdiv(C, BLOCK_C))."""
+    per tile, not per element; ``ROW_SCALE`` (t_c == 0: the amax ran along C) loads one scale per row. Grid
+    (cdiv(rows, BLOCK_R), cdiv(C, BLOCK_C))."""
     row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (row[:, None] < rows) & (c[None, :] < C)
     i = row[:, None] * C + c[None, :]
     s_off = (row // R) * t_b + (row % R) * t_r
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + s_off[:, None] + c[None, :] * t_c, mask=mask, other=1.0)
+    if ROW_SCALE:
+        scale = tl.load(scale_ptr + s_off, mask=row < rows, other=1.0)[:, None]
+    else:
+        scale = tl.load(scale_ptr + s_off[:, None] + c[None, :] * t_c, mask=mask, other=1.0)
     y = tl.minimum(tl.maximum(w * scale, -FP8_MAX), FP8_MAX)
     a = tl.abs(y)
     e = (a.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)

@@ -67,7 +67,7 @@ def _stochastic_round_triton(w: Tensor, scale: Tensor, seed: int) -> Tensor:
     br, bc = 16, 128
     k.stochastic_round_kernel[(-(-rows // br), -(-C // bc))](
         wp, sp, out, seed, rows, R, C, *sp.stride(), FP8_MAX=E4M3_MAX, STEP=2.0 ** -MANTISSA_BITS,
-        MIN_STEP=2.0 ** (MIN_EXP - MANTISSA_BITS), BLOCK_R=br, BLOCK_C=bc)
+        MIN_STEP=2.0 ** (MIN_EXP - MANTISSA_BITS), ROW_SCALE=sp.stride(2) == 0, BLOCK_R=br, BLOCK_C=bc)
     inverse = [order.index(d) for d in range(3)]
     return out.permute(inverse).reshape(w.shape)
 
