@@ -38,21 +38,19 @@ def _rtn(w: torch.Tensor, dim: int) -> torch.Tensor:
     return qdq_fp8(w.float(), fp8_scale(w.float().abs().amax(dim=dim, keepdim=True)))
 
 
-def _on(backend: str, w: torch.Tensor, monkeypatch) -> torch.Tensor:
-    """``w`` where ``backend`` runs: PyTorch ops, or the Triton kernel (compiled on a GPU machine, Triton's
-    interpreter on CPU)."""
-    monkeypatch.setenv(kernels.ENV_VAR, backend)
-    return w.to("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+def _on_triton(w: torch.Tensor, monkeypatch) -> torch.Tensor:
+    """``w`` where the Triton kernels run: compiled on a GPU machine, Triton's interpreter on CPU (conftest turns it on
+    only where there is no GPU)."""
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    return w.to("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("dim", [-1, 0])
-def test_rounded_weight_is_on_the_casts_grid_unbiased_and_sr_sized(dim, monkeypatch):
-    backend = "torch"  # the Triton pass: test_kernel_rounds_each_element_to_a_neighbour_in_any_layout
-    w = _on(backend, _weight(), monkeypatch)
+def test_rounded_weight_is_on_the_casts_grid_unbiased_and_sr_sized(dim):
+    w = _weight()
     gen = torch.Generator().manual_seed(1)
-    draws = torch.stack([stochastic_round_e4m3(w, dim, gen).float() for _ in range(1500)]).cpu()
+    draws = torch.stack([stochastic_round_e4m3(w, dim, gen).float() for _ in range(1500)])
     assert draws.dtype == torch.float32 and stochastic_round_e4m3(w, dim, gen).dtype == torch.bfloat16
-    w = w.cpu()
     one = draws[0]
     if dim == -1:
         q, s = quantize_rowwise(one)
@@ -67,7 +65,7 @@ def test_rounded_weight_is_on_the_casts_grid_unbiased_and_sr_sized(dim, monkeypa
     assert bias.mean() < 0.1 * rtn_err.mean()  # unbiased (1500 draws: ~2.6% of RTN's error is the noise)
     ratio = ((one - w.float()).pow(2).mean() / rtn_err.pow(2).mean()).sqrt()
     assert 1.2 < ratio < 1.6  # SR's rms error: sqrt(2) x round-to-nearest's for uniformly placed values
-    grid = _on(backend, _rtn(w, dim).to(torch.bfloat16), monkeypatch)
+    grid = _rtn(w, dim).to(torch.bfloat16)
     assert torch.equal(stochastic_round_e4m3(grid, dim, gen), grid)  # values on the grid stay
 
 
@@ -79,7 +77,7 @@ def test_kernel_rounds_each_element_to_a_neighbour_in_any_layout(dim, monkeypatc
     g = torch.Generator().manual_seed(13)
     w_ENK = (torch.randn(3, 24, 40, generator=g) * 0.02).to(torch.bfloat16)
     w_ENK[1, 2] *= 50  # one large row of expert 1
-    w_EKN = _on("triton", w_ENK, monkeypatch).transpose(-2, -1)
+    w_EKN = _on_triton(w_ENK, monkeypatch).transpose(-2, -1)
     draws = [stochastic_round_e4m3(w_EKN, dim, g) for _ in range(300)]
     assert draws[0].shape == w_EKN.shape and draws[0].stride() == w_EKN.stride()
     d = torch.stack(draws).float().cpu()
@@ -91,9 +89,9 @@ def test_kernel_rounds_each_element_to_a_neighbour_in_any_layout(dim, monkeypatc
     above = torch.where(below == a, below, below + spacing)
     got = (d * scale).abs()
     assert bool(((got == below) | (got == above)).all())
-    p_up = ((a - below) / spacing).expand_as(got)
+    p_up = (a - below) / spacing
     freq_up = (got == above).float().mean(0) - (above == below).float()  # draws that went up (grid values: 0)
-    assert (freq_up - p_up[0]).abs().mean() < 0.03  # 300 draws: ~0.018 of noise; round-to-nearest: ~0.25
+    assert (freq_up - p_up).abs().mean() < 0.03  # 300 draws: ~0.018 of noise; round-to-nearest: ~0.25
     assert torch.equal(ff._qdq_along(draws[0].float(), dim), draws[0].float())  # on the cast's grid
 
 
@@ -175,9 +173,7 @@ def _assert_kernel_operands_are_the_draws(w: torch.Tensor) -> None:
 
 
 def test_triton_casts_quantize_the_rounded_weight_exactly(monkeypatch):
-    monkeypatch.setenv(kernels.ENV_VAR, "triton")  # compiled on a GPU machine, Triton's interpreter on CPU
-    w = _weight(8).to("cuda" if torch.cuda.is_available() else "cpu")  # conftest sets the interpreter only without one
-    _assert_kernel_operands_are_the_draws(w)
+    _assert_kernel_operands_are_the_draws(_on_triton(_weight(8), monkeypatch))
 
 
 def test_callback_wires_it_and_refuses_what_would_round_to_nearest():
