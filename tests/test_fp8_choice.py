@@ -116,6 +116,22 @@ def test_force_and_keep_override_the_table():
     assert {d.why for d in cb.decisions if d.gemm.name.startswith("layers.0.")} == {"kept"}
 
 
+def test_patterns_that_name_nothing_are_refused_before_anything_is_converted():
+    """A typo in keep_bf16 would silently put in FP8 what the user meant to keep: both pattern lists must name
+    something (module names, or an experts module's two grouped GEMMs), else a ValueError that shows real names."""
+    model = reference_model(gqa_config())
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"keep_bf16=.*\['\*\.attn\.wo'\] match no module.*layers\.0\.attention"):
+        _auto(model, keep_bf16=["layers.0", "*.attn.wo"])
+    with pytest.raises(ValueError, match=r"force=.*\['experts\.w2'\] match no module"):
+        _auto(model, force=["experts.w2"])  # names are full: layers.N.moe.experts.w2
+    assert {n: type(m) for n, m in model.named_modules()} == before  # nothing converted
+    with pytest.raises(ValueError, match="match no module"):
+        LowPrecisionTraining("fp8_rowwise", emulate=True, keep_bf16=["layers.9"]).transform_model(model)
+    cb = _auto(model, force=["*.experts.w2"], keep_bf16=["layers.1.moe.experts.w1_w3"])  # GEMM names are names
+    assert _choices(cb)["layers.1.moe.experts.w1_w3"] is None and _choices(cb)["layers.2.moe.experts.w2"] is not None
+
+
 def test_min_speedup_raises_the_bar():
     cb = _auto(reference_model(gqa_config()), min_speedup=1.25)
     ch = _choices(cb)

@@ -120,7 +120,8 @@ class LowPrecisionTraining(L.Callback):
         experts: quantize the routed experts' grouped GEMMs.
         dense: quantize the dense linears (attention, dense MLPs, shared experts).
         keep_bf16: module-name patterns (fnmatch; a name keeps its children too) left in the run's precision. The
-            experts' two grouped GEMMs are named ``<experts>.w1_w3`` (gate / up) and ``<experts>.w2`` (down).
+            experts' two grouped GEMMs are named ``<experts>.w1_w3`` (gate / up) and ``<experts>.w2`` (down). A pattern that
+            names nothing (here or in ``force``) is an error: a typo would otherwise quantize what it meant to keep.
         force: (``auto``) patterns of GEMMs put in FP8 whatever the table says (``keep_bf16`` still wins): the
             recipe with the best measured ratio at their M, else ``fp8_rowwise``.
         tokens_per_microbatch: (``auto``) tokens one rank's micro-batch holds; default: the datamodule's
@@ -272,6 +273,25 @@ class LowPrecisionTraining(L.Callback):
     def _kept(self, name: str) -> bool:
         return self._always_kept(name) or _matches(name, self.keep_bf16)
 
+    def _check_patterns(self, model: nn.Module) -> None:
+        """A ``keep_bf16`` / ``force`` pattern that names nothing is a typo that would silently quantize (or leave)
+        what the user meant to exclude (or force): refuse it, with names the model does have."""
+        from lightning_moe.moe.experts import GroupedExperts
+
+        names = []
+        for name, m in model.named_modules():
+            if name:
+                names.append(name)
+            if isinstance(m, GroupedExperts):  # the two grouped GEMMs of an experts module, as keep_bf16 names them
+                names += [f"{name}.w1_w3" if name else "w1_w3", f"{name}.w2" if name else "w2"]
+        for arg, patterns in (("keep_bf16", self.keep_bf16), ("force", self.force)):
+            unused = [p for p in patterns if not any(_matches(n, (p,)) for n in names)]
+            if unused:
+                examples = [n for n in names if "layers.0." in n or n.startswith("0.")][:6] or names[:6]
+                raise ValueError(f"LowPrecisionTraining({arg}={list(patterns)}): {unused} match no module of the "
+                                 f"model (fnmatch on full names such as {examples}); fix the pattern, e.g. with a "
+                                 "leading '*.'")
+
     def _device(self) -> torch.device:
         if self.device is not None:
             return self.device
@@ -279,6 +299,7 @@ class LowPrecisionTraining(L.Callback):
 
     def transform_model(self, model: nn.Module) -> None:
         """Quantize the chosen modules of the (meta-device) model in place; idempotent."""
+        self._check_patterns(model)
         if self.recipe == AUTO:
             return self._transform_auto(model)
         from lightning_moe.moe.experts import GroupedExperts
