@@ -349,37 +349,36 @@ def _quantizes(arm: str) -> bool:
     return arm not in (BASE, REPEAT, AUTO)
 
 
-def expected_run_s(arm: str, steps: int, done: list[dict[str, Any]], margin_s: float) -> float:
-    """What one more run of ``arm`` should take: ``steps`` x the median step time of the finished runs of its kind
-    (quantizing or not) plus their mean time outside the steps (model build, teardown). A kind with no finished run
-    takes the other kind's step time scaled by ``QUANTIZED_RUN_COST``; with none at all, the constant weights."""
-    def kind_stats(quantizing: bool) -> tuple[float, float] | None:
-        rs = [r for r in done if _quantizes(r["arm"]) == quantizing and len(r.get("step_times_s") or []) > 1]
-        if not rs:
-            return None
-        step = sorted(t for r in rs for t in r["step_times_s"][1:])  # the first step carries the compiles
-        outside = [max(0.0, r["wall_s"] - sum(r["step_times_s"])) for r in rs if "wall_s" in r]
-        return step[len(step) // 2], (sum(outside) / len(outside) if outside else margin_s)
-    q = _quantizes(arm)
-    own, other = kind_stats(q), kind_stats(not q)
-    if own is not None:
-        step_s, outside_s = own
-    elif other is not None:
-        step_s = other[0] * (QUANTIZED_RUN_COST if q else 1.0 / QUANTIZED_RUN_COST)
-        outside_s = other[1]
-    else:
-        return QUANTIZED_RUN_COST if q else 1.0  # relative weights only: every expectation is in these units
-    return steps * step_s + outside_s
+def _measured_cost(done: list[dict[str, Any]], quantizing: bool) -> tuple[float, float] | None:
+    """(median step time, mean time outside the steps: model build, teardown) of the finished runs of one kind
+    (quantizing or a bf16 program); None before one has finished."""
+    rs = [r for r in done if _quantizes(r["arm"]) == quantizing and len(r.get("step_times_s") or []) > 1]
+    if not rs:
+        return None
+    step = sorted(t for r in rs for t in r["step_times_s"][1:])  # the first step carries the compiles
+    outside = [max(0.0, r.get("wall_s", 0.0) - sum(r["step_times_s"])) for r in rs]
+    return step[len(step) // 2], sum(outside) / len(outside)
 
 
-def time_shares(left_s: float, arms: list[str], steps: int, done: list[dict[str, Any]], margin_s: float) -> float:
+def time_shares(left_s: float, arms: list[str], steps: int, done: list[dict[str, Any]]) -> float:
     """Seconds of ``left_s`` for the next of the runs ``arms`` (in order), in proportion to what each is expected to
-    take (:func:`expected_run_s`): measured step times replace the constant cost ratio as soon as runs finish, so a
-    recipe that is barely slower than bf16 does not leave the baselines short while its own runs end early."""
-    if not done or not any(len(r.get("step_times_s") or []) > 1 for r in done):
+    take: ``steps`` x its kind's measured median step time plus its measured time outside the steps, once a run of
+    that kind has finished (a kind not yet measured: the other kind's step time scaled by ``QUANTIZED_RUN_COST``;
+    nothing measured: that constant ratio alone). So a recipe barely slower than bf16 does not leave the baselines
+    short while its own runs end early."""
+    cost = {q: _measured_cost(done, q) for q in (False, True)}
+    if cost[False] is None and cost[True] is None:
         w = [QUANTIZED_RUN_COST if _quantizes(a) else 1.0 for a in arms]
     else:
-        w = [expected_run_s(a, steps, done, margin_s) for a in arms]
+        w = []
+        for a in arms:
+            q = _quantizes(a)
+            if cost[q] is not None:
+                step_s, outside_s = cost[q]
+            else:
+                step_s, outside_s = cost[not q]
+                step_s *= QUANTIZED_RUN_COST if q else 1.0 / QUANTIZED_RUN_COST
+            w.append(steps * step_s + outside_s)
     return left_s * w[0] / sum(w)
 
 
@@ -422,8 +421,7 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
     for i, (arm, seed) in enumerate(todo):
         label = run_label(arm, seed, args.seed)
         left = budget.left()
-        share = time_shares(left, [a for a, _ in todo[i:]], steps, [r for r in new if "skipped" not in r],
-                            MARGIN_S[device.type]) if math.isfinite(left) else left
+        share = time_shares(left, [a for a, _ in todo[i:]], steps, new) if math.isfinite(left) else left
         if not budget.allows(unit_s, f"convergence {args.preset} {label}"):
             new.append({"model": f"{args.preset}-{label}", "recipe": label, "arm": arm, "seed": seed,
                         "skipped": "time limit", "losses": []})

@@ -432,17 +432,17 @@ def test_time_shares_follow_measured_step_times_once_runs_finish() -> None:
 
     arms = ["baseline", "fp8_rowwise", "baseline", "fp8_rowwise"]
     # nothing measured: the constant cost ratio
-    first = time_shares(600.0, arms, 300, [], margin_s=15.0)
+    first = time_shares(600.0, arms, 300, [])
     assert first == pytest.approx(600.0 / (2 + 2 * QUANTIZED_RUN_COST))
     # a baseline measured at 0.1 s/step (30 s outside the steps), the FP8 kind not yet: scaled by the ratio
     base = {"arm": "baseline", "step_times_s": [5.0] + [0.1] * 299, "wall_s": 5.0 + 29.9 + 30.0}
     fp8_expected = 300 * 0.1 * QUANTIZED_RUN_COST + 30.0
-    share = time_shares(500.0, arms[1:], 300, [base], margin_s=15.0)
+    share = time_shares(500.0, arms[1:], 300, [base])
     assert share == pytest.approx(500.0 * fp8_expected / (2 * fp8_expected + 60.0), rel=1e-6)
     # both kinds measured: FP8 barely slower than bf16 gets barely more time, so the baselines are not starved
     fp8 = {"arm": "fp8_rowwise", "step_times_s": [9.0] + [0.12] * 299, "wall_s": 9.0 + 35.88 + 30.0}
-    base_share = time_shares(300.0, arms[2:], 300, [base, fp8], margin_s=15.0)
+    base_share = time_shares(300.0, arms[2:], 300, [base, fp8])
     assert base_share == pytest.approx(300.0 * 60.0 / (60.0 + 66.0), rel=1e-6)
     assert base_share > 300.0 / (1 + QUANTIZED_RUN_COST)  # more than the constant ratio would give
     # the 'repeat' and 'auto' arms run bf16 programs: they take the baseline's measured cost
-    assert time_shares(300.0, ["repeat", "baseline"], 300, [base, fp8], margin_s=15.0) == pytest.approx(150.0)
+    assert time_shares(300.0, ["repeat", "baseline"], 300, [base, fp8]) == pytest.approx(150.0)

@@ -120,8 +120,9 @@ class LowPrecisionTraining(L.Callback):
         experts: quantize the routed experts' grouped GEMMs.
         dense: quantize the dense linears (attention, dense MLPs, shared experts).
         keep_bf16: module-name patterns (fnmatch; a name keeps its children too) left in the run's precision. The
-            experts' two grouped GEMMs are named ``<experts>.w1_w3`` (gate / up) and ``<experts>.w2`` (down). A pattern that
-            names nothing (here or in ``force``) is an error: a typo would otherwise quantize what it meant to keep.
+            experts' two grouped GEMMs are named ``<experts>.w1_w3`` (gate / up) and ``<experts>.w2`` (down). A
+            pattern that names nothing (here or in ``force``) is an error: a typo would otherwise quantize what it
+            meant to keep.
         force: (``auto``) patterns of GEMMs put in FP8 whatever the table says (``keep_bf16`` still wins): the
             recipe with the best measured ratio at their M, else ``fp8_rowwise``.
         tokens_per_microbatch: (``auto``) tokens one rank's micro-batch holds; default: the datamodule's
@@ -276,14 +277,8 @@ class LowPrecisionTraining(L.Callback):
     def _check_patterns(self, model: nn.Module) -> None:
         """A ``keep_bf16`` / ``force`` pattern that names nothing is a typo that would silently quantize (or leave)
         what the user meant to exclude (or force): refuse it, with names the model does have."""
-        from lightning_moe.moe.experts import GroupedExperts
-
-        names = []
-        for name, m in model.named_modules():
-            if name:
-                names.append(name)
-            if isinstance(m, GroupedExperts):  # the two grouped GEMMs of an experts module, as keep_bf16 names them
-                names += [f"{name}.w1_w3" if name else "w1_w3", f"{name}.w2" if name else "w2"]
+        # module names, and the experts' grouped GEMMs under the names the decisions give them (<experts>.w1_w3)
+        names = [n for n, _ in model.named_modules() if n] + [g.name for g in model_gemms(model) if g.kind == "grouped"]
         for arg, patterns in (("keep_bf16", self.keep_bf16), ("force", self.force)):
             unused = [p for p in patterns if not any(_matches(n, (p,)) for n in names)]
             if unused:
