@@ -638,12 +638,19 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save() -> None:
         report["wall_s"] = time.perf_counter() - budget.t0
-        with open(out, "w") as f:
+        tmp = out.with_name(out.name + ".tmp")  # a call killed while writing keeps the last whole report
+        with open(tmp, "w") as f:
             json.dump(report, f, indent=1, default=str)
+        os.replace(tmp, out)
+
+    def partial(conv: dict[str, Any]) -> None:  # after each convergence run: what a killed call still leaves
+        report["convergence"] = conv
+        save()
 
     modes: list[tuple[str, Callable[..., Any]]] = [("layer", bench_layer), ("step", bench_step),
                                                     ("convergence", lambda a, d, b: bench_convergence(
-                                                        a, d, b, _run, UNIT_S[d.type]["convergence"]))]
+                                                        a, d, b, _run, UNIT_S[d.type]["convergence"],
+                                                        checkpoint=partial))]
     for mode, fn in modes:
         if mode not in args.modes:
             continue

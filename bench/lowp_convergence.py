@@ -8,7 +8,7 @@ import datetime
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -398,9 +398,11 @@ def convergence_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_convergence(args: argparse.Namespace, device: torch.device, budget: Any, run: Callable[..., dict[str, Any]],
-                      unit_s: float) -> dict[str, Any]:
+                      unit_s: float, checkpoint: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """The convergence mode of ``bench/low_precision.py``: ``run`` trains one recipe from one init (its ``_run``),
-    ``budget`` (its ``Budget``) bounds the call, a run starts only with ``unit_s`` seconds left."""
+    ``budget`` (its ``Budget``) bounds the call, a run starts only with ``unit_s`` seconds left. ``checkpoint``
+    receives the report so far (``partial``: the references and the runs finished until then) after every run, so
+    that a call killed from outside still leaves what it finished (readable with ``--conv-reference``)."""
     s = convergence_settings(args)
     steps, warmup = args.conv_steps, s["warmup"]
     variant = "auto+master" if s["master"] == "fp32" else ""
@@ -449,6 +451,8 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             log(f"convergence {args.preset} {label}: stopped after {len(r['losses'])} of {steps} steps "
                 f"({'error' if 'error' in r else 'time limit'})")
         new.append(r)
+        if checkpoint is not None:
+            checkpoint({**report, "runs": [*refs, *new], "partial": True})
     # --seed's baseline first (what the table and the plot compare the other inits with), then the runs in the order
     # asked, each seed's baseline before its recipes, then the references' other runs
     order = {w: k for k, w in enumerate(wanted)}

@@ -446,3 +446,31 @@ def test_time_shares_follow_measured_step_times_once_runs_finish() -> None:
     assert base_share > 300.0 / (1 + QUANTIZED_RUN_COST)  # more than the constant ratio would give
     # the 'repeat' and 'auto' arms run bf16 programs: they take the baseline's measured cost
     assert time_shares(300.0, ["repeat", "baseline"], 300, [base, fp8]) == pytest.approx(150.0)
+
+
+class _Killed(BaseException):
+    """What a call killed from outside looks like to the bench: it is not an Exception, nothing catches it."""
+
+
+def test_a_call_killed_mid_convergence_leaves_its_finished_runs(bench, tmp_path, monkeypatch):
+    out = tmp_path / "lowp.json"
+    real, calls = bench._run, []
+
+    def dies_on_the_second_run(*a, **kw):
+        calls.append(a[2])
+        if len(calls) == 2:
+            raise _Killed
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "_run", dies_on_the_second_run)
+    conv = ["--mode", "convergence", "--recipes", "fp8_rowwise"]
+    with pytest.raises(_Killed):
+        bench.main([*SMOKE, *conv, "--out", str(out)])
+    partial = json.loads(out.read_text())["convergence"]
+    assert partial["partial"] is True and [r["recipe"] for r in partial["runs"]] == ["baseline"]
+    assert len(partial["runs"][0]["losses"]) == 3 and not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(bench, "_run", real)
+    again, _ = _run(bench, tmp_path, *conv, "--conv-reference", str(out))  # reads it, runs only what is missing
+    runs = {r["recipe"]: r for r in again["convergence"]["runs"]}
+    assert runs["baseline"]["from"] == str(out) and "from" not in runs["fp8_rowwise"]
+    assert "partial" not in again["convergence"]
