@@ -83,9 +83,11 @@ forces it for the FP8 recipes on CUDA too. ``--small``: toy sizes for a smoke te
 
 Time: ``--time-limit S`` bounds the whole call. Before each unit (a layer shape, a step run, a convergence run) the
 script checks what is left and skips the unit with a "SKIPPED" line when it cannot fit; a convergence run gets a
-share of what is left as Lightning ``max_time``, a forced or emulated recipe's 2.5 times a bf16 run's (a truncated
-pair is compared at its common length and flagged). Every run prints its wall time and seconds per step; the JSON
-is rewritten after every unit.
+share of what is left as Lightning ``max_time`` by its expected cost (a quantizing run 2.5 times a bf16 one until
+runs of each kind have finished, then their measured step times; a truncated pair is compared at its common length
+and flagged). Every run prints its wall time and seconds per step; the JSON is rewritten (atomically) after every
+mode and every convergence run, so a call killed from outside leaves what it finished (``partial``, readable with
+``--conv-reference``).
 
 GPU (one H200; repository root), the issue 23 recording in two calls:
     python -m bench low_precision --mode layer,step --profile --time-limit 570 \
