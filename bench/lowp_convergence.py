@@ -382,6 +382,16 @@ def time_shares(left_s: float, arms: list[str], steps: int, done: list[dict[str,
     return left_s * w[0] / sum(w)
 
 
+def expected_outside_s(arm: str, done: list[dict[str, Any]], default_s: float) -> float:
+    """Seconds a run of ``arm`` is expected to spend outside its training steps (model build, teardown, the fit's
+    setup), which its share must leave free of Lightning's ``max_time``: its kind's measured mean once a run of that
+    kind finished, else the other kind's (building the model costs both the same), else ``default_s``. (A fixed
+    margin let each truncated bench8 run overrun its share by the ~45 s its 5.6 B-parameter build takes beyond it.)"""
+    q = _quantizes(arm)
+    cost = _measured_cost(done, q) or _measured_cost(done, not q)
+    return max(default_s, cost[1]) if cost is not None else default_s
+
+
 def convergence_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The preset's model, data and optimisation settings with ``--conv-lr`` / ``--conv-warmup`` /
     ``--conv-master`` applied: ``lr``, ``warmup`` (steps) and ``master`` ("fp32" or "none") always set."""
@@ -430,7 +440,7 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             continue
         trainer_kwargs: dict[str, Any] = {"gradient_clip_val": s["clip"]}
         if math.isfinite(share):
-            train_s = max(1.0, share - MARGIN_S[device.type])
+            train_s = max(1.0, share - expected_outside_s(arm, new, MARGIN_S[device.type]))
             trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
             log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
         hp = HighPrecisionLoss() if args.conv_hp_loss and arm not in (BASE, REPEAT, NOISE) else None

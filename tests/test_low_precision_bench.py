@@ -474,3 +474,19 @@ def test_a_call_killed_mid_convergence_leaves_its_finished_runs(bench, tmp_path,
     runs = {r["recipe"]: r for r in again["convergence"]["runs"]}
     assert runs["baseline"]["from"] == str(out) and "from" not in runs["fp8_rowwise"]
     assert "partial" not in again["convergence"]
+
+
+def test_a_runs_training_time_leaves_its_measured_time_outside_the_steps() -> None:
+    """max_time = share - what the run spends outside its steps: the fixed margin only before a run has finished,
+    then the measured time (its kind's, else the other kind's), so truncated runs do not overrun the call."""
+    from bench.lowp_convergence import expected_outside_s
+
+    assert expected_outside_s("fp8_rowwise", [], 15.0) == 15.0
+    base = {"arm": "baseline", "step_times_s": [5.0] + [0.1] * 299, "wall_s": 5.0 + 29.9 + 60.0}
+    assert expected_outside_s("baseline", [base], 15.0) == pytest.approx(60.0)
+    assert expected_outside_s("fp8_rowwise:sr_w", [base], 15.0) == pytest.approx(60.0)  # the same model build
+    fp8 = {"arm": "fp8_rowwise", "step_times_s": [9.0] + [0.12] * 299, "wall_s": 9.0 + 35.88 + 70.0}
+    assert expected_outside_s("fp8_rowwise", [base, fp8], 15.0) == pytest.approx(70.0)
+    assert expected_outside_s("repeat", [base, fp8], 15.0) == pytest.approx(60.0)
+    fast = {"arm": "baseline", "step_times_s": [0.1] * 300, "wall_s": 31.0}  # never below the margin
+    assert expected_outside_s("baseline", [fast], 15.0) == 15.0
