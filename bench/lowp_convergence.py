@@ -17,15 +17,14 @@ from bench import train_step
 from bench.core.curves import (BASE, NOISE, REPEAT, compare, convergence_table, paired_stats, reference_runs, run_arm,
                                run_key, run_label, save_curves, tightest_target)
 from bench.core.text import log
-from lightning_moe.callbacks.low_precision import AUTO, BLOCK_RECIPES
+from bench.lowp_time_shares import MARGIN_S, expected_outside_s, time_shares
+from lightning_moe.callbacks.low_precision import BLOCK_RECIPES
 from lightning_moe.lowp.high_precision import high_precision
 
 TARGETS = {"fp8": 0.01, "block": 0.03}  # |relative difference| of the smoothed final loss
 # bench8: at 3e-4 (and bf16 AdamW state) two runs of the same bf16 program ended 5.6% apart (RESULTS.md)
 BENCH8_LR = 1e-4
 TINY_YAML = Path(__file__).resolve().parent.parent / "examples" / "configs" / "tiny.yaml"
-QUANTIZED_RUN_COST = 2.5  # a forced or emulated recipe's run relative to the baseline's, for the time shares
-MARGIN_S = {"cuda": 15.0, "cpu": 3.0}  # per run: model build, data setup and teardown, outside Lightning's max_time
 
 
 class HighPrecisionLoss(L.Callback):
@@ -343,53 +342,6 @@ def _bench8_settings(args: argparse.Namespace) -> dict[str, Any]:
         s["model_overrides"] = list(args.conv_model)
         s["source"] += " with --conv-model overrides"
     return s
-
-
-def _quantizes(arm: str) -> bool:
-    return arm not in (BASE, REPEAT, AUTO)
-
-
-def _measured_cost(done: list[dict[str, Any]], quantizing: bool) -> tuple[float, float] | None:
-    """(median step time, mean time outside the steps: model build, teardown) of the finished runs of one kind
-    (quantizing or a bf16 program); None before one has finished."""
-    rs = [r for r in done if _quantizes(r["arm"]) == quantizing and len(r.get("step_times_s") or []) > 1]
-    if not rs:
-        return None
-    step = sorted(t for r in rs for t in r["step_times_s"][1:])  # the first step carries the compiles
-    outside = [max(0.0, r.get("wall_s", 0.0) - sum(r["step_times_s"])) for r in rs]
-    return step[len(step) // 2], sum(outside) / len(outside)
-
-
-def time_shares(left_s: float, arms: list[str], steps: int, done: list[dict[str, Any]]) -> float:
-    """Seconds of ``left_s`` for the next of the runs ``arms`` (in order), in proportion to what each is expected to
-    take: ``steps`` x its kind's measured median step time plus its measured time outside the steps, once a run of
-    that kind has finished (a kind not yet measured: the other kind's step time scaled by ``QUANTIZED_RUN_COST``;
-    nothing measured: that constant ratio alone). So a recipe barely slower than bf16 does not leave the baselines
-    short while its own runs end early."""
-    cost = {q: _measured_cost(done, q) for q in (False, True)}
-    if cost[False] is None and cost[True] is None:
-        w = [QUANTIZED_RUN_COST if _quantizes(a) else 1.0 for a in arms]
-    else:
-        w = []
-        for a in arms:
-            q = _quantizes(a)
-            if cost[q] is not None:
-                step_s, outside_s = cost[q]
-            else:
-                step_s, outside_s = cost[not q]
-                step_s *= QUANTIZED_RUN_COST if q else 1.0 / QUANTIZED_RUN_COST
-            w.append(steps * step_s + outside_s)
-    return left_s * w[0] / sum(w)
-
-
-def expected_outside_s(arm: str, done: list[dict[str, Any]], default_s: float) -> float:
-    """Seconds a run of ``arm`` is expected to spend outside its training steps (model build, teardown, the fit's
-    setup), which its share must leave free of Lightning's ``max_time``: its kind's measured mean once a run of that
-    kind finished, else the other kind's (building the model costs both the same), else ``default_s``. (A fixed
-    margin let each truncated bench8 run overrun its share by the ~45 s its 5.6 B-parameter build takes beyond it.)"""
-    q = _quantizes(arm)
-    cost = _measured_cost(done, q) or _measured_cost(done, not q)
-    return max(default_s, cost[1]) if cost is not None else default_s
 
 
 def convergence_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -428,7 +428,7 @@ def test_grad_check_refuses_gradient_accumulation():
 
 
 def test_time_shares_follow_measured_step_times_once_runs_finish() -> None:
-    from bench.lowp_convergence import QUANTIZED_RUN_COST, time_shares
+    from bench.lowp_time_shares import QUANTIZED_RUN_COST, time_shares
 
     arms = ["baseline", "fp8_rowwise", "baseline", "fp8_rowwise"]
     # nothing measured: the constant cost ratio
@@ -479,7 +479,7 @@ def test_a_call_killed_mid_convergence_leaves_its_finished_runs(bench, tmp_path,
 def test_a_runs_training_time_leaves_its_measured_time_outside_the_steps() -> None:
     """max_time = share - what the run spends outside its steps: the fixed margin only before a run has finished,
     then the measured time (its kind's, else the other kind's), so truncated runs do not overrun the call."""
-    from bench.lowp_convergence import expected_outside_s
+    from bench.lowp_time_shares import expected_outside_s
 
     assert expected_outside_s("fp8_rowwise", [], 15.0) == 15.0
     base = {"arm": "baseline", "step_times_s": [5.0] + [0.1] * 299, "wall_s": 5.0 + 29.9 + 60.0}
