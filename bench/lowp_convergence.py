@@ -17,7 +17,7 @@ from bench import train_step
 from bench.core.curves import (BASE, NOISE, REPEAT, compare, convergence_table, paired_stats, reference_runs, run_arm,
                                run_key, run_label, save_curves, tightest_target)
 from bench.core.text import log
-from bench.lowp_time_shares import MARGIN_S, expected_outside_s, time_shares
+from bench.lowp_time_shares import expected_outside_s, first_margin_s, time_shares
 from lightning_moe.callbacks.low_precision import BLOCK_RECIPES
 from lightning_moe.lowp.high_precision import high_precision
 
@@ -392,7 +392,8 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
             continue
         trainer_kwargs: dict[str, Any] = {"gradient_clip_val": s["clip"]}
         if math.isfinite(share):
-            train_s = max(1.0, share - expected_outside_s(arm, new, MARGIN_S[device.type]))
+            margin = first_margin_s(args.preset, args.small, device.type)
+            train_s = max(1.0, share - expected_outside_s(arm, new, margin))
             trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
             log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
         hp = HighPrecisionLoss() if args.conv_hp_loss and arm not in (BASE, REPEAT, NOISE) else None

@@ -490,3 +490,8 @@ def test_a_runs_training_time_leaves_its_measured_time_outside_the_steps() -> No
     assert expected_outside_s("repeat", [base, fp8], 15.0) == pytest.approx(60.0)
     fast = {"arm": "baseline", "step_times_s": [0.1] * 300, "wall_s": 31.0}  # never below the margin
     assert expected_outside_s("baseline", [fast], 15.0) == 15.0
+    # before anything is measured: bench8 at full size on a GPU takes about a minute outside its steps
+    from bench.lowp_time_shares import MARGIN_S, first_margin_s
+
+    assert first_margin_s("bench8", False, "cuda") >= 40.0 > MARGIN_S["cuda"] == first_margin_s("tiny", False, "cuda")
+    assert first_margin_s("bench8", True, "cuda") == MARGIN_S["cuda"] and first_margin_s("bench8", False, "cpu") == 3.0
