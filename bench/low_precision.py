@@ -659,8 +659,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"\n##### {mode} ({max(0.0, budget.left()):.0f} s left)" if args.time_limit else f"\n##### {mode}")
         try:
             report[mode] = fn(args, device, budget)
-        except Exception as e:  # a mode that fails as a whole: report, go on with the next
-            report[mode] = {"error": _err(e), "traceback": traceback.format_exc()}
+        except Exception as e:  # a mode that fails as a whole: report (keeping the runs it finished), go on
+            done = report.get(mode) if isinstance(report.get(mode), dict) else {}
+            report[mode] = {**done, "error": _err(e), "traceback": traceback.format_exc()}
             log(report[mode]["traceback"])
         save()
     log("\n##### summary")

@@ -457,7 +457,7 @@ def test_a_call_killed_mid_convergence_leaves_its_finished_runs(bench, tmp_path,
     real, calls = bench._run, []
 
     def dies_on_the_second_run(*a, **kw):
-        calls.append(a[2])
+        calls.append(1)
         if len(calls) == 2:
             raise _Killed
         return real(*a, **kw)
@@ -474,6 +474,21 @@ def test_a_call_killed_mid_convergence_leaves_its_finished_runs(bench, tmp_path,
     runs = {r["recipe"]: r for r in again["convergence"]["runs"]}
     assert runs["baseline"]["from"] == str(out) and "from" not in runs["fp8_rowwise"]
     assert "partial" not in again["convergence"]
+
+
+def test_a_convergence_mode_that_fails_keeps_the_runs_it_finished(bench, tmp_path, monkeypatch):
+    real, calls = bench._run, []
+
+    def fails_on_the_second_run(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "_run", fails_on_the_second_run)
+    report, _ = _run(bench, tmp_path, "--mode", "convergence", "--recipes", "fp8_rowwise")
+    conv = report["convergence"]
+    assert "out of memory" in conv["error"] and [r["recipe"] for r in conv["runs"]] == ["baseline"]
 
 
 def test_a_runs_training_time_leaves_its_measured_time_outside_the_steps() -> None:
