@@ -427,27 +427,6 @@ def test_grad_check_refuses_gradient_accumulation():
     assert GradientCheck([1, 9]).checked == list(range(1, 17))
 
 
-def test_time_shares_follow_measured_step_times_once_runs_finish() -> None:
-    from bench.lowp_time_shares import QUANTIZED_RUN_COST, time_shares
-
-    arms = ["baseline", "fp8_rowwise", "baseline", "fp8_rowwise"]
-    # nothing measured: the constant cost ratio
-    first = time_shares(600.0, arms, 300, [])
-    assert first == pytest.approx(600.0 / (2 + 2 * QUANTIZED_RUN_COST))
-    # a baseline measured at 0.1 s/step (30 s outside the steps), the FP8 kind not yet: scaled by the ratio
-    base = {"arm": "baseline", "step_times_s": [5.0] + [0.1] * 299, "wall_s": 5.0 + 29.9 + 30.0}
-    fp8_expected = 300 * 0.1 * QUANTIZED_RUN_COST + 30.0
-    share = time_shares(500.0, arms[1:], 300, [base])
-    assert share == pytest.approx(500.0 * fp8_expected / (2 * fp8_expected + 60.0), rel=1e-6)
-    # both kinds measured: FP8 barely slower than bf16 gets barely more time, so the baselines are not starved
-    fp8 = {"arm": "fp8_rowwise", "step_times_s": [9.0] + [0.12] * 299, "wall_s": 9.0 + 35.88 + 30.0}
-    base_share = time_shares(300.0, arms[2:], 300, [base, fp8])
-    assert base_share == pytest.approx(300.0 * 60.0 / (60.0 + 66.0), rel=1e-6)
-    assert base_share > 300.0 / (1 + QUANTIZED_RUN_COST)  # more than the constant ratio would give
-    # the 'repeat' and 'auto' arms run bf16 programs: they take the baseline's measured cost
-    assert time_shares(300.0, ["repeat", "baseline"], 300, [base, fp8]) == pytest.approx(150.0)
-
-
 class _Killed(BaseException):
     """What a call killed from outside looks like to the bench: it is not an Exception, nothing catches it."""
 
@@ -489,24 +468,3 @@ def test_a_convergence_mode_that_fails_keeps_the_runs_it_finished(bench, tmp_pat
     report, _ = _run(bench, tmp_path, "--mode", "convergence", "--recipes", "fp8_rowwise")
     conv = report["convergence"]
     assert "out of memory" in conv["error"] and [r["recipe"] for r in conv["runs"]] == ["baseline"]
-
-
-def test_a_runs_training_time_leaves_its_measured_time_outside_the_steps() -> None:
-    """max_time = share - what the run spends outside its steps: the fixed margin only before a run has finished,
-    then the measured time (its kind's, else the other kind's), so truncated runs do not overrun the call."""
-    from bench.lowp_time_shares import expected_outside_s
-
-    assert expected_outside_s("fp8_rowwise", [], 15.0) == 15.0
-    base = {"arm": "baseline", "step_times_s": [5.0] + [0.1] * 299, "wall_s": 5.0 + 29.9 + 60.0}
-    assert expected_outside_s("baseline", [base], 15.0) == pytest.approx(60.0)
-    assert expected_outside_s("fp8_rowwise:sr_w", [base], 15.0) == pytest.approx(60.0)  # the same model build
-    fp8 = {"arm": "fp8_rowwise", "step_times_s": [9.0] + [0.12] * 299, "wall_s": 9.0 + 35.88 + 70.0}
-    assert expected_outside_s("fp8_rowwise", [base, fp8], 15.0) == pytest.approx(70.0)
-    assert expected_outside_s("repeat", [base, fp8], 15.0) == pytest.approx(60.0)
-    fast = {"arm": "baseline", "step_times_s": [0.1] * 300, "wall_s": 31.0}  # never below the margin
-    assert expected_outside_s("baseline", [fast], 15.0) == 15.0
-    # before anything is measured: bench8 at full size on a GPU takes about a minute outside its steps
-    from bench.lowp_time_shares import MARGIN_S, first_margin_s
-
-    assert first_margin_s("bench8", False, "cuda") >= 40.0 > MARGIN_S["cuda"] == first_margin_s("tiny", False, "cuda")
-    assert first_margin_s("bench8", True, "cuda") == MARGIN_S["cuda"] and first_margin_s("bench8", False, "cpu") == 3.0
