@@ -24,8 +24,10 @@ Tests that use this launcher are marked ``dist`` (tests/conftest.py).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -66,6 +68,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     with open(log, "ab") as f:
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
+    # a rank killed by a signal (a segfault in a backend thread) leaves its threads' Python stacks in its log
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(
@@ -121,6 +125,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                         sys.stderr.write(f"---- rank {r} output ----\n{text}")
 
 
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
 def _collect(procs: list, queue: Any, world_size: int, timeout: float) -> Any:
     for p in procs:
         p.start()
@@ -140,8 +151,14 @@ def _collect(procs: list, queue: Any, world_size: int, timeout: float) -> Any:
     for p in alive:
         p.kill()
     errors = [f"rank {r}:\n{msg}" for r, status, msg in results if status == "error"]
+    # a rank that died by a signal before reporting is the cause of its peers' errors (connection reset): name it
+    # first (a crash after every rank reported, in the backend's teardown, fails nothing)
+    reported = {r for r, _, _ in results}
+    killed = [f"rank {r} died by {_signal_name(p.exitcode)} before reporting (its threads' stacks: its output below)"
+              for r, p in enumerate(procs) if r not in reported and p.exitcode is not None and p.exitcode < 0]
     if errors:
-        raise AssertionError("distributed test failed\n" + "\n".join(errors))
+        raise AssertionError("distributed test failed\n" + "\n".join(killed + errors))
     if alive or len(results) != world_size:
-        raise AssertionError(f"distributed test hung or crashed: {len(results)}/{world_size} ranks reported")
+        raise AssertionError(f"distributed test hung or crashed: {len(results)}/{world_size} ranks reported"
+                             + "".join(f"; {k}" for k in killed))
     return pickle.loads(next(out for r, status, out in results if r == 0))
