@@ -61,7 +61,8 @@ def time_shares(left_s: float, arms: list[str], steps: int, done: list[dict[str,
 def expected_outside_s(arm: str, done: list[dict[str, Any]], default_s: float) -> float:
     """Seconds a run of ``arm`` is expected to spend outside its training steps (model build, teardown, the fit's
     setup), which its share must leave free of Lightning's ``max_time``: its kind's measured mean once a run of that
-    kind finished, else the other kind's (building the model costs both the same), else ``default_s``. (A fixed
+    kind finished, else the other kind's (building the model costs both the same), never less than ``default_s``
+    (nothing measured: ``default_s``). (A fixed
     margin let each truncated bench8 run overrun its share by the ~45 s its 5.6 B-parameter build takes beyond it.)"""
     q = _quantizes(arm)
     cost = _measured_cost(done, q) or _measured_cost(done, not q)
