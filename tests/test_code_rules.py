@@ -3,7 +3,9 @@
 - no module over 700 lines, and a module over 500 says in its docstring why it is one piece;
 - the checkpoint's file and folder names are spelled in one module, ``checkpoint/format.py``;
 - the CLI overrides, patches or calls no private jsonargparse / LightningCLI step (``_check_type``,
-  ``_parse_ckpt_path``, ``_add_configure_optimizers_method_to_model``).
+  ``_parse_ckpt_path``, ``_add_configure_optimizers_method_to_model``);
+- functional collectives are issued only through ``lightning_moe/collectives.py``, which settles them at issue on
+  CPU (gloo corrupts the heap with two in flight: ``tests/repro_gloo_two_in_flight.py``).
 """
 
 from __future__ import annotations
@@ -100,3 +102,37 @@ def test_the_private_step_rule_sees_every_form():
                   f"setattr(action, {name!r}, wrapper)\n")
         assert len(_private_overrides(ast.parse(source))) == 4, name
     assert not _private_overrides(ast.parse("def check_type(x): pass\naction.check_type = f\nsetattr(a, 'b', f)\n"))
+
+
+FUNCOL = "torch.distributed._functional_collectives"
+
+
+def _funcol_uses(tree: ast.AST) -> list[str]:
+    """Ways a module could issue a functional collective itself: importing the module (any alias), or importing
+    anything from it but the ``AsyncCollectiveTensor`` type."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [f"import {a.name} (line {node.lineno})" for a in node.names if a.name == FUNCOL]
+        elif isinstance(node, ast.ImportFrom):
+            if node.module == FUNCOL:
+                out += [f"from {FUNCOL} import {a.name} (line {node.lineno})" for a in node.names
+                        if a.name != "AsyncCollectiveTensor"]
+            elif node.module == "torch.distributed":
+                out += [f"from torch.distributed import {a.name} (line {node.lineno})" for a in node.names
+                        if a.name == "_functional_collectives"]
+    return out
+
+
+def test_functional_collectives_go_through_the_collectives_module():
+    found = {str(p.relative_to(PACKAGE)): hits for p in MODULES
+             if p != PACKAGE / "collectives.py" and (hits := _funcol_uses(ast.parse(p.read_text())))}
+    assert not found, f"issue functional collectives through lightning_moe.collectives (settled on CPU): {found}"
+
+
+def test_the_functional_collective_rule_sees_every_import():
+    source = (f"import {FUNCOL} as funcol\nimport {FUNCOL}\nfrom {FUNCOL} import all_reduce\n"
+              "from torch.distributed import _functional_collectives\n"
+              f"def f():\n    import {FUNCOL} as fc\n")
+    assert len(_funcol_uses(ast.parse(source))) == 5
+    assert not _funcol_uses(ast.parse(f"from {FUNCOL} import AsyncCollectiveTensor\nimport torch.distributed as dist\n"))

@@ -80,10 +80,9 @@ def _sum_over(t: Tensor, group: ReductionGroup) -> Tensor:
     """
     if group is None:
         return t
-    import torch.distributed._functional_collectives as funcol
+    from lightning_moe.collectives import all_reduce, wait
 
-    out = funcol.all_reduce(t, "sum", group)
-    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return wait(all_reduce(t, "sum", group))
 
 
 def group_limited_topk(choice_TE: Tensor, k: int, num_groups: int, group_topk: int) -> Tensor:

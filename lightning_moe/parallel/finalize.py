@@ -58,9 +58,9 @@ def _reduce_routing(routing: dict[int, RoutingRecord], global_group: Optional[Pr
         layout.append((idx, rec.tokens_per_expert.numel(), rec.bias_demand is not None))
     flat = torch.cat(packed)
     if global_group is not None:
-        import torch.distributed._functional_collectives as funcol
+        from lightning_moe.collectives import all_reduce
 
-        flat = funcol.all_reduce(flat, "sum", global_group)
+        flat = all_reduce(flat, "sum", global_group)
     out: dict[int, RoutingRecord] = {}
     offset = 0
     for idx, E, has_bias in layout:

@@ -413,9 +413,9 @@ class MoEParallelStrategy(ParallelStrategy):
         dims = self.parallel_dims
         if dims.num_data_shards * dims.cp == 1:
             return t
-        import torch.distributed._functional_collectives as funcol
+        from lightning_moe.collectives import all_reduce
 
-        return funcol.all_reduce(t, "sum", dims.dp_cp_mesh.get_group())
+        return all_reduce(t, "sum", dims.dp_cp_mesh.get_group())
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of a (labelled) batch: the load-balanced context-parallel chunks and their positions.

@@ -11,10 +11,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from lightning_moe.collectives import all_gather_autograd, reduce_scatter_autograd
+from lightning_moe.collectives import all_gather_autograd, all_to_all_single_autograd, reduce_scatter_autograd
 from lightning_moe.moe.dispatch.base import DispatchContext, _permute, _unpermute
 from lightning_moe.moe.dispatch.groups import GroupLike, _gather_small, _GroupedDispatcher, _pad_rows
 from lightning_moe.moe.dispatch.layout import (
@@ -69,7 +68,7 @@ class AllToAllDispatcher(_GroupedDispatcher):
     def _a2a(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
         if self.ep_size == 1:
             return x
-        return funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, self.ep_group)
+        return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, self.ep_group)
 
     def _exchange_counts(self, counts_E: Tensor, e: int) -> tuple[list[int], list[list[list[int]]], Tensor]:
         """Send counts per ep peer, received count matrices of every etp peer [Q][P][e] (host), and the same
