@@ -385,15 +385,21 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
     for i, (arm, seed) in enumerate(todo):
         label = run_label(arm, seed, args.seed)
         left = budget.left()
-        share = time_shares(left, [a for a, _ in todo[i:]], steps, new) if math.isfinite(left) else left
+        margin = first_margin_s(args.preset, args.small, device.type)
+        later = [a for a, _ in todo[i:]]
+        share = time_shares(left, later, steps, new, margin) if math.isfinite(left) else left
+        outside = expected_outside_s(arm, new, margin)
+        if i == 0 and math.isfinite(left) and left < len(later) * outside:
+            log(f"convergence {args.preset}: {left:.0f} s for {len(later)} runs that each spend about "
+                f"{outside:.0f} s outside their steps: the later runs will get a step or none (raise --time-limit "
+                "or ask for fewer seeds or recipes)")
         if not budget.allows(unit_s, f"convergence {args.preset} {label}"):
             new.append({"model": f"{args.preset}-{label}", "recipe": label, "arm": arm, "seed": seed,
                         "skipped": "time limit", "losses": []})
             continue
         trainer_kwargs: dict[str, Any] = {"gradient_clip_val": s["clip"]}
         if math.isfinite(share):
-            margin = first_margin_s(args.preset, args.small, device.type)
-            train_s = max(1.0, share - expected_outside_s(arm, new, margin))
+            train_s = max(1.0, share - outside)
             trainer_kwargs["max_time"] = datetime.timedelta(seconds=train_s)
             log(f"convergence {args.preset} {label}: up to {train_s:.0f} s of training (--time-limit share)")
         hp = HighPrecisionLoss() if args.conv_hp_loss and arm not in (BASE, REPEAT, NOISE) else None

@@ -36,25 +36,28 @@ def _measured_cost(done: list[dict[str, Any]], quantizing: bool) -> tuple[float,
     return step[len(step) // 2], sum(outside) / len(outside)
 
 
-def time_shares(left_s: float, arms: list[str], steps: int, done: list[dict[str, Any]]) -> float:
+def time_shares(left_s: float, arms: list[str], steps: int, done: list[dict[str, Any]],
+                outside_s: float = 0.0) -> float:
     """Seconds of ``left_s`` for the next of the runs ``arms`` (in order), in proportion to what each is expected to
     take: ``steps`` x its kind's measured median step time plus its measured time outside the steps, once a run of
-    that kind has finished (a kind not yet measured: the other kind's step time scaled by ``QUANTIZED_RUN_COST``;
-    nothing measured: that constant ratio alone). So a recipe barely slower than bf16 does not leave the baselines
-    short while its own runs end early."""
+    that kind has finished (a kind not yet measured: the other kind's step time scaled by ``QUANTIZED_RUN_COST``).
+    Nothing measured: each run first gets ``outside_s`` (what it will spend outside its steps) and the rest is split by
+    that constant ratio, so a short call does not give its first run a share smaller than its model build (it once
+    left a bench8 baseline 1 s of training). So a recipe barely slower than bf16 does not leave the baselines short
+    while its own runs end early."""
     cost = {q: _measured_cost(done, q) for q in (False, True)}
     if cost[False] is None and cost[True] is None:
         w = [QUANTIZED_RUN_COST if _quantizes(a) else 1.0 for a in arms]
-    else:
-        w = []
-        for a in arms:
-            q = _quantizes(a)
-            if cost[q] is not None:
-                step_s, outside_s = cost[q]
-            else:
-                step_s, outside_s = cost[not q]
-                step_s *= QUANTIZED_RUN_COST if q else 1.0 / QUANTIZED_RUN_COST
-            w.append(steps * step_s + outside_s)
+        return outside_s + max(0.0, left_s - len(arms) * outside_s) * w[0] / sum(w)
+    w = []
+    for a in arms:
+        q = _quantizes(a)
+        if cost[q] is not None:
+            step_s, out_s = cost[q]
+        else:
+            step_s, out_s = cost[not q]
+            step_s *= QUANTIZED_RUN_COST if q else 1.0 / QUANTIZED_RUN_COST
+        w.append(steps * step_s + out_s)
     return left_s * w[0] / sum(w)
 
 

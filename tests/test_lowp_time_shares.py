@@ -27,6 +27,18 @@ def test_time_shares_follow_measured_step_times_once_runs_finish() -> None:
     assert time_shares(300.0, ["repeat", "baseline"], 300, [base, fp8]) == pytest.approx(150.0)
 
 
+def test_a_short_calls_first_run_gets_its_model_build_before_the_split() -> None:
+    """Nothing measured yet: each run's time outside its steps comes off the top, the rest goes by the cost ratio
+    (a 149 s call once gave its bench8 baseline 42 s, of which the 60 s margin left 1 s of training)."""
+    arms = ["baseline", "fp8_rowwise:sr_w"]
+    share = time_shares(149.0, arms, 300, [], outside_s=60.0)
+    assert share == pytest.approx(60.0 + 29.0 / (1 + QUANTIZED_RUN_COST))
+    assert share - 60.0 > 1.0  # some training, in proportion, rather than the 1 s floor
+    assert time_shares(100.0, arms, 300, [], outside_s=60.0) == pytest.approx(60.0)  # nothing left to split
+    # without it (outside_s=0) the split is the plain ratio, as before
+    assert time_shares(149.0, arms, 300, []) == pytest.approx(149.0 / (1 + QUANTIZED_RUN_COST))
+
+
 def test_a_runs_training_time_leaves_its_measured_time_outside_the_steps() -> None:
     """max_time = share - what the run spends outside its steps: the fixed margin only before a run has finished,
     then the measured time (its kind's, else the other kind's), so truncated runs do not overrun the call."""
