@@ -17,7 +17,7 @@ from bench import train_step
 from bench.core.curves import (BASE, NOISE, REPEAT, compare, convergence_table, paired_stats, reference_runs, run_arm,
                                run_key, run_label, save_curves, tightest_target)
 from bench.core.text import log
-from bench.lowp_time_shares import expected_outside_s, first_margin_s, time_shares
+from bench.lowp_time_shares import expected_outside_s, first_margin_s, first_step_s, time_shares
 from lightning_moe.callbacks.low_precision import BLOCK_RECIPES
 from lightning_moe.lowp.high_precision import high_precision
 
@@ -387,7 +387,8 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
         left = budget.left()
         margin = first_margin_s(args.preset, args.small, device.type)
         later = [a for a, _ in todo[i:]]
-        share = time_shares(left, later, steps, new, margin) if math.isfinite(left) else left
+        first_s = first_step_s(args.preset, args.small, device.type)
+        share = time_shares(left, later, steps, new, margin, first_s) if math.isfinite(left) else left
         outside = expected_outside_s(arm, new, margin)
         if i == 0 and math.isfinite(left) and left < len(later) * outside:
             log(f"convergence {args.preset}: {left:.0f} s for {len(later)} runs that each spend about "

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.lowp_time_shares import MARGIN_S, QUANTIZED_RUN_COST, expected_outside_s, first_margin_s, time_shares
+from bench.lowp_time_shares import (
+    MARGIN_S, QUANTIZED_RUN_COST, expected_outside_s, first_margin_s, first_step_s, time_shares,
+)
 
 
 def test_time_shares_follow_measured_step_times_once_runs_finish() -> None:
@@ -54,3 +56,32 @@ def test_a_runs_training_time_leaves_its_measured_time_outside_the_steps() -> No
     # before anything is measured: bench8 at full size on a GPU takes about a minute outside its steps
     assert first_margin_s("bench8", False, "cuda") >= 40.0 > MARGIN_S["cuda"] == first_margin_s("tiny", False, "cuda")
     assert first_margin_s("bench8", True, "cuda") == MARGIN_S["cuda"] and first_margin_s("bench8", False, "cpu") == 3.0
+
+
+def test_the_first_run_of_each_kind_gets_its_first_steps_compile() -> None:
+    """A process's first quantizing run spends its first step compiling and autotuning (on bench8 about 75 s on a fresh
+    machine): without an allowance the first run of a call was the one cut short while later runs left time unused."""
+    first = {True: 75.0, False: 12.0}
+    arms = ["fp8_rowwise:sr_w", "fp8_rowwise:sr_w", "baseline", "fp8_rowwise:sr_w"]
+    # nothing measured: four model builds, one quantizing and one bf16 compile come off the top
+    share = time_shares(546.0, arms, 300, [], outside_s=60.0, first_s=first)
+    rest = 546.0 - 4 * 60.0 - 75.0 - 12.0
+    w = 3 * QUANTIZED_RUN_COST + 1
+    assert share == pytest.approx(60.0 + 75.0 + rest * QUANTIZED_RUN_COST / w)
+    assert share > time_shares(546.0, arms, 300, [], outside_s=60.0)
+    # a bf16 first in line gets the bf16 compile only
+    assert time_shares(546.0, arms[2:], 300, [], outside_s=60.0, first_s=first) == pytest.approx(
+        60.0 + 12.0 + (546.0 - 120.0 - 87.0) / (1 + QUANTIZED_RUN_COST))
+    # a baseline has run (its kind paid), the quantizing kind not yet: its first run carries the 75 s in its weight
+    base = {"arm": "baseline", "step_times_s": [12.0] + [0.1] * 299, "wall_s": 12.0 + 29.9 + 30.0}
+    fp8_w = 300 * 0.1 * QUANTIZED_RUN_COST + 30.0
+    got = time_shares(400.0, ["fp8_rowwise", "fp8_rowwise"], 300, [base], outside_s=60.0, first_s=first)
+    assert got == pytest.approx(400.0 * (fp8_w + 75.0) / (2 * fp8_w + 75.0))
+    # once a quantizing run has run in the process, nobody gets the allowance
+    fp8 = {"arm": "fp8_rowwise", "step_times_s": [75.0] + [0.2] * 299, "wall_s": 75.0 + 59.8 + 30.0}
+    assert time_shares(400.0, ["fp8_rowwise", "baseline"], 300, [base, fp8], first_s=first) == pytest.approx(
+        400.0 * 90.0 / (90.0 + 60.0))
+    # only bench8 at full size on a GPU compiles for that long
+    assert first_step_s("bench8", False, "cuda")[True] >= 60.0
+    assert first_step_s("tiny", False, "cuda") == first_step_s("bench8", True, "cuda") == {True: 0.0, False: 0.0}
+    assert first_step_s("bench8", False, "cpu") == {True: 0.0, False: 0.0}
