@@ -15,7 +15,7 @@ MARGIN_S = {"cuda": 15.0, "cpu": 3.0}  # per run: model build, data setup and te
 # fp32 masters, teardown), which the fixed margin let the first run of a call overrun
 BENCH8_MARGIN_S = 60.0
 # the first step of a process's first run of a kind compiles its Triton kernels (and, quantizing, autotunes torchao's):
-# on a fresh GPU machine bench8's took 59-76 s quantizing (blockwise 146-212 s) and 9-14 s in bf16, 6-20 s once cached
+# on a fresh GPU machine bench8's took 45-88 s quantizing (blockwise 146-212 s) and 9-14 s in bf16, 6-20 s once cached
 # (issue 23's runs, ``step_times_s``); inside max_time, so the first run of a call stopped at step 69-124 of 300
 BENCH8_FIRST_STEP_S = {True: 75.0, False: 12.0}  # quantizing, bf16 program
 
