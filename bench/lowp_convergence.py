@@ -382,12 +382,12 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
     todo = [w for w in wanted if w not in have]  # what earlier reports (--conv-reference) did not run
     # a run's share of what is left goes by its expected cost (time_shares): measured once runs of its kind finish
     new: list[dict[str, Any]] = []
+    margin = first_margin_s(args.preset, args.small, device.type)
+    first_s = first_step_s(args.preset, args.small, device.type)
     for i, (arm, seed) in enumerate(todo):
         label = run_label(arm, seed, args.seed)
         left = budget.left()
-        margin = first_margin_s(args.preset, args.small, device.type)
         later = [a for a, _ in todo[i:]]
-        first_s = first_step_s(args.preset, args.small, device.type)
         share = time_shares(left, later, steps, new, margin, first_s) if math.isfinite(left) else left
         outside = expected_outside_s(arm, new, margin)
         if i == 0 and math.isfinite(left) and left < len(later) * outside:

@@ -20,16 +20,19 @@ BENCH8_MARGIN_S = 60.0
 BENCH8_FIRST_STEP_S = {True: 75.0, False: 12.0}  # quantizing, bf16 program
 
 
+def _bench8_on_gpu(preset: str, small: bool, device_type: str) -> bool:
+    return preset == "bench8" and not small and device_type == "cuda"
+
+
 def first_margin_s(preset: str, small: bool, device_type: str) -> float:
     """What a call's first run must leave outside Lightning's ``max_time`` before any run has been measured."""
-    return BENCH8_MARGIN_S if preset == "bench8" and not small and device_type == "cuda" else MARGIN_S[device_type]
+    return BENCH8_MARGIN_S if _bench8_on_gpu(preset, small, device_type) else MARGIN_S[device_type]
 
 
 def first_step_s(preset: str, small: bool, device_type: str) -> dict[bool, float]:
     """Extra seconds the first run of each kind (quantizing: True, a bf16 program: False) in a process spends in its
     first step: bench8 at full size on a GPU; nothing elsewhere (the CPU shapes' first steps take under a second)."""
-    full = preset == "bench8" and not small and device_type == "cuda"
-    return dict(BENCH8_FIRST_STEP_S) if full else {True: 0.0, False: 0.0}
+    return dict(BENCH8_FIRST_STEP_S) if _bench8_on_gpu(preset, small, device_type) else {True: 0.0, False: 0.0}
 
 
 def _quantizes(arm: str) -> bool:
