@@ -48,7 +48,7 @@ from bench.core.flops import flops_per_token, measure_matmul_peak, timing_summar
 from bench.core.kernel_profile import kernel_categories
 from bench.core.schema import save as save_result
 from bench.core.text import err as _err, fmt as _fmt, log, md_table
-from bench.core.timer import StepTimer, Stopwatch, loss_checks
+from bench.core.timer import StepTimer, Stopwatch, fit_phases, loss_checks, phases_line
 from bench.peers.hf import plain_optimizer as hf_optimizer, qwen3_config as hf_config
 
 DEFAULT_OUT = "bench/results/train_step.json"
@@ -147,7 +147,9 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
         res["error"] = _err(e)
         res["traceback"] = traceback.format_exc()
         log(res["traceback"])
-    res["wall_s"] = time.perf_counter() - t_start
+    t_end = time.perf_counter()
+    res["wall_s"] = t_end - t_start
+    res["phases_s"] = fit_phases(rec, t_start, t_end)
     res["losses"] = rec.losses
     res["step_times_s"] = rec.times
     res["first_batch_checksum"] = rec.first_batch_checksum
@@ -167,8 +169,10 @@ def run_ours(label: str, cfg: Any, seq_len: int, batch_size: int, args: argparse
         dm.trainer = None
     del model, trainer, dm, rec
     reset_memory(device)
+    res["phases_s"]["free"] = time.perf_counter() - t_end  # the bookkeeping above and the memory's release
     res["allocated_after_free_gib"] = allocated_gib(device)
     log(_summary_line(res))
+    log(phases_line(res["phases_s"]))
     return res
 
 

@@ -267,6 +267,11 @@ def test_repeat_arm_is_the_baseline_again_and_gw_hp_is_a_recipe(bench, tmp_path)
     assert rep["rel_diff"] == 0.0 and rep["same_init"] and rep["target"] is None and rep["ok"] is None
     assert "nondeterminism" in rep["note"]
     assert summary["fp8_rowwise_gw_hp"]["target"] == 0.01 and summary["fp8_rowwise_gw_hp"]["same_init"]
+    for r in conv["runs"]:  # where each run's time outside its steps went: stages that add up to its wall time
+        phases = r["phases_s"]
+        assert phases["steps"] == pytest.approx(sum(r["step_times_s"]))
+        assert phases["build"] > 0 and phases["free"] >= 0 and min(phases.values()) >= 0
+        assert sum(v for k, v in phases.items() if k != "free") == pytest.approx(r["wall_s"], rel=1e-9)
 
 
 def test_conv_hp_loss_records_the_same_weights_in_high_precision(bench, tmp_path, capsys):
