@@ -129,6 +129,35 @@ def test_gradients_are_freed_after_the_optimizer_step(free):
     assert torch.isfinite(model.last_train_loss)
 
 
+def test_teardown_leaves_the_model_and_optimizer_state_on_their_devices(monkeypatch):
+    """As under Lightning's ModelParallelStrategy: the end of fit does not move the model and its optimizer state
+    to the CPU (the generic strategy's teardown does: every rank's shards with fp32 masters into host memory), and
+    still tears down the accelerator and the precision plugin."""
+    import lightning.pytorch.strategies.strategy as lightning_strategy
+
+    from lightning_moe import MoELanguageModel, MoEParallelStrategy
+    from lightning_moe.data import TextDataModule
+    from test_activation_offload import gqa_config
+
+    moved, torn = [], []
+    monkeypatch.setattr(lightning_strategy, "_optimizers_to_device", lambda *a, **k: moved.append("optimizers"))
+    model = MoELanguageModel(gqa_config(), warmup_steps=0)
+    model.cpu = lambda: moved.append("model") or model
+    strategy = MoEParallelStrategy()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, strategy=strategy)
+    for part in (trainer.strategy.accelerator, trainer.strategy.precision_plugin):
+        monkeypatch.setattr(part, "teardown", lambda p=type(part).__name__: torn.append(p))
+    try:
+        trainer.fit(model, datamodule=TextDataModule(seq_len=16, batch_size=2))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trainer.global_step == 1 and moved == []
+    assert sorted(torn) == sorted({type(trainer.strategy.accelerator).__name__,
+                                   type(trainer.strategy.precision_plugin).__name__})
+
+
 def _trainer(**kw):
     from lightning_moe import MoEParallelStrategy
 
