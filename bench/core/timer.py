@@ -99,7 +99,7 @@ def fit_phases(rec: StepTimer, start: float, returned: float) -> dict[str, float
 
 
 def phases_line(phases: dict[str, float]) -> str:
-    """One log line of :func:`fit_phases`' stages other than the steps, the largest first (those of 0.1 s or more)."""
+    """One log line of :func:`fit_phases`' stages other than the steps, the largest first (those that round to 0.1 s or more)."""
     rest = sorted(((k, v) for k, v in phases.items() if k != "steps" and v >= 0.05), key=lambda kv: -kv[1])
     return "  outside the steps: " + ", ".join(f"{k} {v:.1f} s" for k, v in rest)
 

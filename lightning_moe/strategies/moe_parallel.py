@@ -368,9 +368,9 @@ class MoEParallelStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         """The end of a stage. The model and its optimizer state stay where they are, as under Lightning's
-        ``ModelParallelStrategy``: the generic strategy's teardown moves both to the CPU, which for sharded
-        parameters with fp32 masters would copy about 16 bytes a parameter of every rank's shards into one host's
-        memory (tens of seconds, and more RAM than a node may have) only for them to be dropped."""
+        ``ModelParallelStrategy``: the generic strategy's teardown moves both to the CPU, which with fp32 masters
+        would copy about 14 bytes a parameter of every rank's shards into its host's memory (more RAM than a node
+        may have), usually only for them to be dropped."""
         if self._pending_save is not None and dist.is_initialized():
             self.finish_pending_save()  # an asynchronous save still in flight becomes visible before the end
         assert self.cluster_environment is not None and self.accelerator is not None
