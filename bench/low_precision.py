@@ -83,9 +83,11 @@ forces it for the FP8 recipes on CUDA too. ``--small``: toy sizes for a smoke te
 
 Time: ``--time-limit S`` bounds the whole call. Before each unit (a layer shape, a step run, a convergence run) the
 script checks what is left and skips the unit with a "SKIPPED" line when it cannot fit; a convergence run gets a
-share of what is left as Lightning ``max_time`` by its expected cost (a quantizing run 2.5 times a bf16 one until
-runs of each kind have finished, then their measured step times; a truncated pair is compared at its common length
-and flagged). Every run prints its wall time and seconds per step; the JSON is rewritten (atomically) after every
+Lightning ``max_time`` of all that is left (``--conv-share in-order``, the default: the runs complete one after
+another, and when not all fit the last ones are truncated or skipped) or of a share by its expected cost
+(``proportional``: a quantizing run 2.5 times a bf16 one until runs of each kind have finished, then their measured
+step times; every run then gets steps, all truncated when not all fit); a truncated pair is compared at its common
+length and flagged. Every run prints its wall time and seconds per step; the JSON is rewritten (atomically) after every
 mode and every convergence run, so a call killed from outside leaves what it finished (``partial``, readable with
 ``--conv-reference``).
 
@@ -529,6 +531,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "baseline and every recipe from that init; the target reads the mean paired difference")
     g.add_argument("--conv-reference", default=None, nargs="+", metavar="JSON", help="the finished runs of earlier "
                    "reports (same settings): only the (recipe, seed) runs they lack run here; none left: a merge")
+    g.add_argument("--conv-share", choices=["in-order", "proportional"], default="in-order", help="how a "
+                   "--time-limit is split among the convergence runs: in-order (each run, in order, may use all that "
+                   "is left: runs complete one after another, the last ones truncated or skipped when not all fit; "
+                   "the target counts complete pairs only) or proportional (each run a share by its expected cost, so "
+                   "every run gets steps and all are truncated when not all fit)")
     g.add_argument("--conv-lr", type=float, default=None, help=f"peak learning rate (default: bench8 {BENCH8_LR:g}, "
                    "tiny the main job's)")
     g.add_argument("--conv-warmup", type=int, default=None, help="warmup steps (default: bench8 a tenth of the "

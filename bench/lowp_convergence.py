@@ -388,7 +388,10 @@ def bench_convergence(args: argparse.Namespace, device: torch.device, budget: An
         label = run_label(arm, seed, args.seed)
         left = budget.left()
         later = [a for a, _ in todo[i:]]
-        share = time_shares(left, later, steps, new, margin, first_s) if math.isfinite(left) else left
+        # in order: each run may use all that is left (runs complete in order; the target counts complete pairs
+        # only); proportional: by expected cost, so that every run gets some steps when not all can finish
+        share = time_shares(left, later, steps, new, margin, first_s) \
+            if math.isfinite(left) and args.conv_share == "proportional" else left
         outside = expected_outside_s(arm, new, margin)
         if i == 0 and math.isfinite(left) and left < len(later) * outside:
             log(f"convergence {args.preset}: {left:.0f} s for {len(later)} runs that each spend about "

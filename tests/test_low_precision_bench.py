@@ -473,3 +473,28 @@ def test_a_convergence_mode_that_fails_keeps_the_runs_it_finished(bench, tmp_pat
     report, _ = _run(bench, tmp_path, "--mode", "convergence", "--recipes", "fp8_rowwise")
     conv = report["convergence"]
     assert "out of memory" in conv["error"] and [r["recipe"] for r in conv["runs"]] == ["baseline"]
+
+
+@pytest.mark.parametrize("share", ["in-order", "proportional"])
+def test_conv_share_gives_runs_all_that_is_left_or_a_share(bench, tmp_path, monkeypatch, share):
+    """``--conv-share in-order`` (the default) lets each run, in order, use all the time left (Lightning's
+    ``max_time`` is the call's remaining time less the run's expected time outside its steps), so runs complete one
+    after another; ``proportional`` gives each a share by its expected cost (the first of three runs, one of them
+    quantizing, well under half)."""
+    real, limits = bench._run, []
+
+    def records_max_time(*a, **kw):
+        limits.append(kw["trainer_kwargs"]["max_time"].total_seconds())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "_run", records_max_time)
+    extra = ["--mode", "convergence", "--recipes", "fp8_rowwise", "--time-limit", "200"]
+    if share == "proportional":
+        extra += ["--conv-share", "proportional"]
+    report, _ = _run(bench, tmp_path, *extra)
+    assert [r["recipe"] for r in report["convergence"]["runs"]] == ["baseline", "fp8_rowwise", "baseline_seed1"]
+    assert len(limits) == 3
+    if share == "in-order":  # all that is left less the CPU margin (3 s) or the measured time outside the steps
+        assert limits[0] > 190 and limits[1] > limits[2] > 150
+    else:  # weights 1 : 2.5 : 1 of what is left after three 3-s margins: the first gets about 43 s
+        assert 30 < limits[0] < 60 and limits[1] > limits[0]
