@@ -1,4 +1,5 @@
-"""How a convergence call of ``bench/low_precision.py`` splits its ``--time-limit`` among its runs: each run's share
+"""How a convergence call of ``bench/low_precision.py`` splits its ``--time-limit`` among its runs under
+``--conv-share proportional`` (the default, ``in-order``, gives each run all that is left): each run's share
 of what is left goes by its expected cost (measured once runs of its kind have finished), and Lightning's
 ``max_time`` for it leaves free the time the run spends outside its steps."""
 
