@@ -212,6 +212,8 @@ def MoETransformer_like(cfg, seed=99, transform=None):  # noqa: N802 - a fresh m
     ({"recipe": "fp16"}, "unknown recipe"),
     ({"recipe": "fp8_rowwise", "experts": False, "dense": False}, "nothing to quantize"),
     ({"recipe": "fp8_rowwise", "fsdp_float8_all_gather": True}, "fp8_tensorwise"),
+    ({"recipe": "fp8_rowwise", "fast_accum": "false"}, r"fast_accum='false' must be True or False"),  # bool("false")
+    ({"recipe": "fp8_rowwise", "emulate": None, "stochastic_weights": "yes"}, "emulate=None, stochastic_weights="),
 ])
 def test_invalid_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

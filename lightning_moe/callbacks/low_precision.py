@@ -180,6 +180,14 @@ class LowPrecisionTraining(L.Callback):
         if recipe != AUTO and recipe not in RECIPES:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: "
                              f"{[AUTO, *RECIPES]}")
+        flags = {"emulate": emulate, "experts": experts, "dense": dense, "fsdp_float8_all_gather":
+                 fsdp_float8_all_gather, "fuse_quant": fuse_quant, "cache_fp8_weights": cache_fp8_weights,
+                 "fused_dense": fused_dense, "fast_accum": fast_accum, "dgrad_hp": dgrad_hp,
+                 "stochastic_weights": stochastic_weights}
+        not_bool = {k: v for k, v in flags.items() if not isinstance(v, bool)}
+        if not_bool:  # bool("false") is True: a string would silently turn an option on
+            raise ValueError(f"LowPrecisionTraining: {', '.join(f'{k}={v!r}' for k, v in not_bool.items())} must be "
+                             "True or False")
         if not (experts or dense):
             raise ValueError("LowPrecisionTraining: experts=False and dense=False leaves nothing to quantize")
         if fsdp_float8_all_gather and (recipe != "fp8_tensorwise" or not dense):
