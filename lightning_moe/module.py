@@ -51,6 +51,7 @@ from lightning_moe.build import ModelTransform, build_model
 from lightning_moe.checkpoint.loop_state import start_next_epoch
 from lightning_moe.checkpoint.optimizer_state import accept_state_by_name, optimizer_state_by_name
 from lightning_moe.config import ModelConfig, resolve_model_config
+from lightning_moe.flags import check_flags
 from lightning_moe.models.labels import mask_document_ends, shift_labels  # noqa: F401  (public here too)
 from lightning_moe.models.lm_loss import IGNORE_INDEX, LOSS_IMPLS
 from lightning_moe.models.transformer import MoETransformer, check_components
@@ -162,6 +163,8 @@ class MoELanguageModel(L.LightningModule):
             if diff:
                 raise ValueError(f"config does not describe the model in {pretrained}/config.json ({'; '.join(diff)}): "
                                  "leave config out to take the folder's, or fix those fields")
+        check_flags("MoELanguageModel", skip_empty_steps=skip_empty_steps,
+                    **({} if fused is None else {"fused": fused}))
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
         if not 0 <= min_lr_ratio <= 1:

@@ -86,6 +86,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 import lightning_moe.lowp  # noqa: F401  (quiets what importing torchao prints)
+from lightning_moe.flags import check_flags
 from lightning_moe.lowp.crossover import (BENCH_COMMAND, CrossoverTable, Gemm, device_arch, model_gemms,
                                           shipped_table_path)
 from lightning_moe.lowp.fp8_linear import Fp8InputCache, Fp8Linear, Fp8QuantRMSNorm, fp8_class
@@ -180,14 +181,10 @@ class LowPrecisionTraining(L.Callback):
         if recipe != AUTO and recipe not in RECIPES:
             raise ValueError(f"LowPrecisionTraining(recipe={recipe!r}): unknown recipe; valid: "
                              f"{[AUTO, *RECIPES]}")
-        flags = {"emulate": emulate, "experts": experts, "dense": dense, "fsdp_float8_all_gather":
-                 fsdp_float8_all_gather, "fuse_quant": fuse_quant, "cache_fp8_weights": cache_fp8_weights,
-                 "fused_dense": fused_dense, "fast_accum": fast_accum, "dgrad_hp": dgrad_hp,
-                 "stochastic_weights": stochastic_weights}
-        not_bool = {k: v for k, v in flags.items() if not isinstance(v, bool)}
-        if not_bool:  # bool("false") is True: a string would silently turn an option on
-            raise ValueError(f"LowPrecisionTraining: {', '.join(f'{k}={v!r}' for k, v in not_bool.items())} must be "
-                             "True or False")
+        check_flags("LowPrecisionTraining", emulate=emulate, experts=experts, dense=dense,
+                    fsdp_float8_all_gather=fsdp_float8_all_gather, fuse_quant=fuse_quant,
+                    cache_fp8_weights=cache_fp8_weights, fused_dense=fused_dense, fast_accum=fast_accum,
+                    dgrad_hp=dgrad_hp, stochastic_weights=stochastic_weights)
         if not (experts or dense):
             raise ValueError("LowPrecisionTraining: experts=False and dense=False leaves nothing to quantize")
         if fsdp_float8_all_gather and (recipe != "fp8_tensorwise" or not dense):

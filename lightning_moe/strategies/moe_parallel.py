@@ -52,6 +52,7 @@ from lightning_moe.checkpoint.files import SafeCheckpointIO, save_fsynced, verif
 from lightning_moe.checkpoint.format import META_FILE
 from lightning_moe.checkpoint.optimizer_state import check_shapes, is_by_name, regroup
 from lightning_moe.checkpoint.publish import new_staging_dir, publish, remove, resolve
+from lightning_moe.flags import check_flags
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.finalize import finalize_step
 from lightning_moe.parallel.compile import resolve_compile
@@ -165,6 +166,9 @@ class MoEParallelStrategy(ParallelStrategy):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        # (reshard_after_forward is FSDP2's, which also takes an int: left to FSDP2)
+        check_flags("MoEParallelStrategy", save_distributed_checkpoint=save_distributed_checkpoint,
+                    async_save=async_save, free_grads_after_step=free_grads_after_step)
         self._dispatcher = dispatcher
         self._reshard_after_forward = reshard_after_forward
         self._param_dtype = _dtype(param_dtype, "param_dtype")
