@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from lightning_moe.activation_plan import plan_activations
 from lightning_moe.autograd import in_recomputation
+from lightning_moe.flags import check_flags
 
 __all__ = ["ActivationOffload", "OFFLOAD_MODULES"]
 
@@ -239,6 +240,7 @@ class ActivationOffload(L.Callback):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"ActivationOffload(min_bytes=...) must be a non-negative int, got {min_bytes!r}")
         self.modules = tuple(dict.fromkeys(modules))
+        check_flags("ActivationOffload", prefetch=prefetch)
         self.offloader = _Offloader(min_bytes, prefetch)
 
     def transform_model(self, model: nn.Module) -> None:

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_moe.callbacks.routing_metrics import SCALARS, load_heatmap, pack_step, window_metrics
+from lightning_moe.flags import check_flags
 
 __all__ = ["LoadBalanceMonitor"]
 
@@ -102,10 +103,8 @@ class LoadBalanceMonitor(L.Callback):
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"LoadBalanceMonitor(log_every_n_steps=...) must be an integer >= 1 (optimizer steps per "
                              f"logged window), got {log_every_n_steps!r}")
-        for name, flag in (("heatmap", heatmap), ("histograms", histograms), ("per_expert_metrics", per_expert_metrics),
-                           ("log_on_train_end", log_on_train_end)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"LoadBalanceMonitor({name}=...) must be true or false, got {flag!r}")
+        check_flags("LoadBalanceMonitor", heatmap=heatmap, histograms=histograms,
+                    per_expert_metrics=per_expert_metrics, log_on_train_end=log_on_train_end)
         if jsonl_path is not None and not isinstance(jsonl_path, (str, os.PathLike)):
             raise ValueError(f"LoadBalanceMonitor(jsonl_path=...) must be a file path or None, got {jsonl_path!r}")
         if jsonl_path is not None and os.path.isdir(jsonl_path):

@@ -74,6 +74,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_moe.data.chat import CHAT_OVERLONG, CHAT_TRAIN_ON, tokenize_chat_files
 from lightning_moe.data.collate import collate
 from lightning_moe.data.corpus import EMBEDDED_CORPUS_MAX_BYTES, load_documents
+from lightning_moe.flags import check_flags
 from lightning_moe.data.tokenizer import ByteTokenizer, load_hf_tokenizer
 from lightning_moe.data.datasets import PackedDataset, RowsDataset, document_positions, pack_documents
 from lightning_moe.data.resumable import ResumableDataLoader, ResumableDistributedSampler
@@ -145,6 +146,7 @@ class TextDataModule(LightningDataModule):
         overlong: str = "error",
     ) -> None:
         super().__init__()
+        check_flags("TextDataModule", shuffle=shuffle, drop_last=drop_last, document_mask=document_mask)
         if format not in ("text", "chat"):
             raise ValueError(f"format must be 'text' or 'chat', got {format!r}")
         if format == "chat":
